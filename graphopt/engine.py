@@ -1,0 +1,437 @@
+"""The rewrite driver: worklist to a bounded fixpoint, checked and journaled rewrites.
+
+Rules are visited only at their anchor op types (from the graph's op-type index); after a
+rewrite, only its neighbourhood goes back on the worklist. Each rewrite is a transaction:
+it is checked locally (inputs defined, topological order, known types preserved, schemas
+exist, per-node ONNX inference succeeds) and rolled back if a check fails. The whole model
+is validated once at the end; should that ever fail, the rules are replayed with a full
+check after every rewrite, so the offending rewrite is found, rolled back and reported.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from .dsl import NewConstant, OpExpr, OpOutput, Pass, Rule
+from .errors import GraphoptError, RewriteRejected
+from .ir import MS_DOMAIN, STANDARD_DOMAIN, Graph, Model, get_attr, normalize_domain
+from .match import CompiledPattern, Match, Miss, TensorView
+from .report import Report
+
+STICKY_ATTRIBUTES = ("__backwardpass",)
+MAX_NEAR_MISSES = 50
+
+
+class Engine:
+    def __init__(self, rules: Sequence[Rule | Pass], *, explain: Sequence[str] = (),
+                 max_rewrites: int | None = None, validate_each: bool = False):
+        self.rules = list(rules)
+        self.explain = set(explain)
+        self.max_rewrites = max_rewrites
+        self.validate_each = validate_each
+        self._compiled = {id(r): CompiledPattern(r.match) for r in self.rules
+                          if isinstance(r, Rule)}
+
+    # ---- driver --------------------------------------------------------------------
+    def run(self, model: Model, report: Report) -> None:
+        for level in sorted({r.level for r in self.rules}):
+            rules = [r for r in self.rules if r.level == level and _opset_ok(r, model)]
+            for graph in list(model.graphs()):
+                self._run_level(model, graph, rules, report)
+
+    def _run_level(self, model: Model, graph: Graph, rules, report: Report) -> None:
+        budget = self.max_rewrites or 4 * len(graph.nodes) + 1000
+        passes = [r for r in rules if isinstance(r, Pass)]
+        patterns = [r for r in rules if isinstance(r, Rule)]
+        for round_ in range(8):
+            pass_changes = sum(self._run_pass(model, graph, p, report) for p in passes)
+            if round_ and not pass_changes:
+                return  # the pattern worklist already reached its fixpoint last round
+            if not self._run_patterns(model, graph, patterns, report, budget) or not passes:
+                return
+            if round_ == 7:
+                report.warnings.append(
+                    f"level {rules[0].level}: passes and rules still changing the graph after "
+                    "8 rounds; stopped (the result is valid but may not be a fixpoint)")
+
+    def _run_pass(self, model: Model, graph: Graph, rule: Pass, report: Report) -> int:
+        stats = report.stats(rule)
+        start = time.perf_counter()
+        graph.begin()
+        try:
+            changes = rule.run(graph, report)
+            if changes and self.validate_each:
+                _validate_model(model)
+        except GraphoptError:
+            graph.rollback()
+            raise
+        except (RewriteRejected, onnx.checker.ValidationError,
+                onnx.shape_inference.InferenceError) as exc:
+            graph.rollback()
+            stats.rollbacks += 1
+            stats.rollback_reasons.append(str(exc).strip().splitlines()[0])
+            changes = 0
+        else:
+            graph.commit()
+        stats.candidates += 1
+        stats.rewrites += changes
+        stats.seconds += time.perf_counter() - start
+        return changes
+
+    def _run_patterns(self, model, graph: Graph, rules: list[Rule], report: Report,
+                      budget: int) -> int:
+        if not rules:
+            return 0
+        by_anchor: dict[tuple[str, str], list[Rule]] = {}
+        for rule in rules:
+            for key in self._compiled[id(rule)].anchor_types:
+                by_anchor.setdefault(key, []).append(rule)
+        candidates = sorted({node_id for key in by_anchor for node_id in graph.by_type.get(key, ())},
+                            key=graph.order.__getitem__)
+        queue = deque(candidates)
+        queued = set(candidates)
+        rewrites = 0
+        stats = {id(r): report.stats(r) for r in rules}
+        tried: set = set()  # (rule, tensor) fan-out anchors that failed since the last rewrite
+        while queue:
+            node_id = queue.popleft()
+            queued.discard(node_id)
+            node = graph.nodes.get(node_id)
+            if node is None:
+                continue
+            for rule in by_anchor.get((normalize_domain(node.domain), node.op_type), ()):
+                if node_id not in graph.nodes:
+                    break
+                compiled = self._compiled[id(rule)]
+                anchor = compiled.anchor_of(graph, node_id)
+                if anchor is None:
+                    continue
+                if isinstance(anchor, str):
+                    if (id(rule), anchor) in tried:
+                        continue
+                    tried.add((id(rule), anchor))
+                rule_stats = stats[id(rule)]
+                start = time.perf_counter()
+                rule_stats.candidates += 1
+                touched = self._try(model, graph, rule, compiled, anchor, rule_stats)
+                rule_stats.seconds += time.perf_counter() - start
+                if touched is None:
+                    continue
+                rewrites += 1
+                tried.clear()
+                for neighbour in touched:
+                    if neighbour not in queued and neighbour in graph.nodes:
+                        queued.add(neighbour)
+                        queue.append(neighbour)
+                if rewrites >= budget:
+                    report.warnings.append(
+                        f"stopped after {rewrites} rewrites (budget {budget}); the graph is "
+                        "valid but rules may still apply (possible rule cycle)")
+                    return rewrites
+        return rewrites
+
+    def _try(self, model, graph, rule: Rule, compiled, anchor, stats):
+        """Match, check, rewrite; returns the node ids to revisit, or None."""
+        found = compiled.match(graph, anchor)
+        if isinstance(found, Miss):
+            self._near_miss(graph, rule, anchor, found, stats)
+            return None
+        bindings, roots = found
+        m = Match(graph, bindings, roots)
+        for constraint in rule.where:
+            verdict = constraint(m)
+            if verdict is not True and verdict is not None:
+                reason = verdict if isinstance(verdict, str) else getattr(
+                    constraint, "reason", "a where-constraint failed")
+                self._near_miss(graph, rule, anchor, reason, stats)
+                return None
+        result = rule.rewrite(m)
+        if result is None or isinstance(result, str):
+            self._near_miss(graph, rule, anchor, result or "the rewrite declined", stats)
+            return None
+        graph.begin()
+        try:
+            touched = Rewriter(model, graph, rule, m).apply(result)
+            if self.validate_each:
+                _validate_model(model)
+        except (RewriteRejected, onnx.checker.ValidationError,
+                onnx.shape_inference.InferenceError) as exc:
+            graph.rollback()
+            stats.rollbacks += 1
+            stats.rollback_reasons.append(
+                f"at {_anchor_label(graph, anchor)}: {str(exc).strip().splitlines()[0]}")
+            return None
+        graph.commit()
+        stats.rewrites += 1
+        return touched
+
+    def _near_miss(self, graph, rule, anchor, reason, stats) -> None:
+        if rule.name in self.explain and len(stats.near_misses) < MAX_NEAR_MISSES:
+            stats.near_misses.append({"at": _anchor_label(graph, anchor), "reason": str(reason)})
+
+
+def _anchor_label(graph: Graph, anchor) -> str:
+    if isinstance(anchor, str):
+        return f"tensor '{anchor}'"
+    node = graph.nodes.get(anchor)
+    if node is None:
+        return "removed node"
+    return f"{node.op_type} '{node.name}'" if node.name else f"{node.op_type} #{anchor}"
+
+
+def _opset_ok(rule, model: Model) -> bool:
+    return all((model.opset(d) or 0) >= v for d, v in rule.min_opset.items())
+
+
+def _validate_model(model: Model) -> None:
+    proto = model.flush()
+    onnx.checker.check_model(proto)
+    onnx.shape_inference.infer_shapes(proto, strict_mode=True)
+
+
+class Rewriter:
+    """Turns a rule's result into graph edits inside the current transaction."""
+
+    def __init__(self, model: Model, graph: Graph, rule: Rule, match: Match):
+        self.model, self.graph, self.rule, self.match = model, graph, rule, match
+        self.new_nodes: list[onnx.NodeProto] = []
+        self.built: dict[int, list[str]] = {}
+        self.domains: set[str] = set()
+
+    def apply(self, result) -> list[int]:
+        graph = self.graph
+        mapping = self._mapping(result)
+        roots = list(dict.fromkeys(graph.producer[old] for old in mapping))
+        if len(roots) > 1:
+            roots.sort(key=graph.order.__getitem__)
+        for root in roots:
+            for out in graph.nodes[root].output:
+                if out and out not in mapping and (graph.consumers.get(out) or
+                                                   graph.is_output(out)):
+                    raise RewriteRejected(f"output '{out}' of {graph.nodes[root].op_type} "
+                                          "would be left without a producer")
+        targets = {old: self._value(expr) for old, expr in mapping.items()}
+        sticky = [a for a in STICKY_ATTRIBUTES
+                  if all(get_attr(graph.nodes[r], a) is not None for r in roots)]
+        sticky_attrs = [next(x for x in graph.nodes[roots[0]].attribute if x.name == a)
+                        for a in sticky]
+        renamed = self._keep_original_names(targets)
+        base = graph.order[roots[0]]
+        removed_inputs = []
+        for root in roots:
+            removed_inputs.extend(graph.nodes[root].input)
+            graph.remove_node(root)
+        for old, new in targets.items():
+            if old in renamed:
+                continue
+            if graph.is_output(old):
+                self.new_nodes.append(onnx.helper.make_node(
+                    "Identity", [new], [old], name=self.model.names.fresh(f"{old}/Identity")))
+            else:
+                for consumer in graph.consumers_of(old):
+                    node = graph.nodes[consumer]
+                    for i, name in enumerate(node.input):
+                        if name == old:
+                            graph.replace_input(consumer, i, new)
+        new_ids = []
+        for i, node in enumerate(self.new_nodes):
+            for attr in sticky_attrs:
+                node.attribute.append(attr)
+            new_ids.append(graph.add_node(node, base + (i,)))
+        self._check(new_ids, targets)
+        dead = graph.remove_dead(removed_inputs)
+        for domain in self.domains:
+            self.model.ensure_opset(domain, 1)
+        touched = set(new_ids)
+        for node_id in new_ids:
+            node = graph.nodes[node_id]
+            for name in node.input:
+                if name in graph.producer:
+                    touched.add(graph.producer[name])
+                touched.update(graph.consumers.get(name, ()))
+            for name in node.output:
+                touched.update(graph.consumers.get(name, ()))
+        for name in dead:
+            touched.update(graph.consumers.get(name, ()))
+        return list(touched)
+
+    # ---- building the replacement ------------------------------------------------------
+    def _mapping(self, result) -> dict[str, object]:
+        roots = self.match.roots
+        if isinstance(result, dict):
+            return {(k.name if isinstance(k, TensorView) else k): v for k, v in result.items()}
+        if len(roots) != 1:
+            raise RewriteRejected("a fan-out rule must return {old tensor: new value}")
+        outputs = list(self.graph.nodes[roots[0]].output)
+        values = list(result) if isinstance(result, (tuple, list)) else [result]
+        return {out: v for out, v in zip(outputs, values) if v is not None and out}
+
+    def _value(self, expr) -> str:
+        """The tensor name an expression evaluates to, creating nodes as needed."""
+        if isinstance(expr, TensorView):
+            return expr.name
+        if isinstance(expr, str):
+            return expr
+        if isinstance(expr, OpOutput):
+            return self._build(expr.op)[expr.index]
+        if isinstance(expr, OpExpr):
+            return self._build(expr)[0]
+        if isinstance(expr, NewConstant):
+            return self._constant(expr.value, expr.hint)
+        if isinstance(expr, np.ndarray):
+            return self._constant(expr, f"{self.rule.name}_const")
+        raise RewriteRejected(f"cannot use {type(expr).__name__} as a value in a rewrite")
+
+    def _constant(self, value: np.ndarray, hint: str) -> str:
+        name = self.model.names.fresh(hint)
+        self.graph.add_initializer(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def _build(self, expr: OpExpr) -> list[str]:
+        key = id(expr)
+        if key not in self.built:
+            inputs = ["" if i is None else self._value(i) for i in expr.inputs]
+            name = self.model.names.fresh(self._name_hint(expr.op_type))
+            outputs = [self.model.names.fresh(f"{name}_output_{i}")
+                       for i in range(expr.n_outputs)]
+            node = onnx.NodeProto(op_type=expr.op_type, domain=expr.domain, name=name,
+                                  input=inputs, output=outputs,
+                                  attribute=[_attribute(k, v) for k, v in expr.attrs.items()
+                                             if v is not None])
+            if expr.domain:
+                self.domains.add(expr.domain)
+            self.new_nodes.append(node)
+            self.built[key] = outputs
+        return self.built[key]
+
+    def _name_hint(self, op_type: str) -> str:
+        root = self.graph.nodes.get(self.match.roots[0])
+        stem = root.name if root is not None and root.name else self.rule.name
+        return f"{stem}/{op_type}"
+
+    def _keep_original_names(self, targets: dict[str, str]) -> set[str]:
+        """New tensors take the names of the tensors they replace: graph outputs survive and
+        downstream consumers need no rewiring."""
+        produced = {out: node for node in self.new_nodes for out in node.output}
+        renamed = set()
+        for old, new in list(targets.items()):
+            node = produced.pop(new, None)
+            if node is None:
+                continue
+            for i, out in enumerate(node.output):
+                if out == new:
+                    node.output[i] = old
+            for other in self.new_nodes:
+                for i, name in enumerate(other.input):
+                    if name == new:
+                        other.input[i] = old
+            targets[old] = old
+            renamed.add(old)
+        return renamed
+
+    # ---- checks and cleanup -----------------------------------------------------------
+    def _check(self, new_ids: list[int], targets: dict[str, str]) -> None:
+        graph = self.graph
+        opset = self.model.opset(STANDARD_DOMAIN) or 1
+        for node_id in new_ids:
+            node = graph.nodes[node_id]
+            order = graph.order[node_id]
+            for name in node.input:
+                if not name:
+                    continue
+                producer = graph.producer.get(name)
+                if producer is not None:
+                    if graph.order[producer] >= order:
+                        raise RewriteRejected(f"'{name}' would be used before it is produced")
+                elif name not in graph.initializers and name not in graph.input_names \
+                        and graph is self.model.graph:
+                    raise RewriteRejected(f"'{name}' is not defined in the graph")
+            if normalize_domain(node.domain) == STANDARD_DOMAIN:
+                self._infer(node, opset)
+        for old in targets:
+            if graph.producer.get(old) is None and old not in graph.initializers \
+                    and old not in graph.input_names and graph.is_output(old):
+                raise RewriteRejected(f"graph output '{old}' would lose its producer")
+
+    def _infer(self, node: onnx.NodeProto, opset: int) -> None:
+        """Per-node ONNX inference with the input types we know; must agree with old types."""
+        try:
+            schema = onnx.defs.get_schema(node.op_type, opset, STANDARD_DOMAIN)
+        except onnx.defs.SchemaError:
+            raise RewriteRejected(f"{node.op_type} does not exist at opset {opset}") from None
+        graph = self.graph
+        known = {}
+        for name in node.input:
+            if name and name in graph.types:
+                known[name] = graph.types[name]
+            elif name:
+                elem = graph.elem_type(name)
+                shape = graph.static_shape(name)
+                if elem is None:
+                    return  # partial knowledge: the final whole-model check decides
+                known[name] = onnx.helper.make_tensor_type_proto(elem, shape)
+        try:
+            inferred = onnx.shape_inference.infer_node_outputs(
+                schema, node, known,
+                {n: graph.initializers[n] for n in node.input if n in graph.initializers})
+        except (onnx.shape_inference.InferenceError, RuntimeError) as exc:
+            raise RewriteRejected(f"{node.op_type} '{node.name}': "
+                                  f"{str(exc).strip().splitlines()[0]}") from None
+        for out, type_proto in inferred.items():
+            old = graph.types.get(out)
+            if old is None:
+                graph.set_type(out, type_proto)
+            elif not _compatible(old, type_proto):
+                raise RewriteRejected(f"'{out}' would change type/shape from "
+                                      f"{_type_str(old)} to {_type_str(type_proto)}")
+
+
+_ATTRIBUTE_CACHE: dict = {}
+
+
+def _attribute(name: str, value) -> onnx.AttributeProto:
+    """AttributeProtos are immutable once built, so equal ones are shared (rules create the
+    same flags over and over)."""
+    try:
+        key = (name, value if not isinstance(value, list) else tuple(value), type(value))
+        cached = _ATTRIBUTE_CACHE.get(key)
+    except TypeError:  # unhashable (tensor, graph): build it each time
+        return onnx.helper.make_attribute(name, value)
+    if cached is None:
+        cached = _ATTRIBUTE_CACHE[key] = onnx.helper.make_attribute(name, value)
+    return cached
+
+
+def _compatible(old: onnx.TypeProto, new: onnx.TypeProto) -> bool:
+    if not (old.HasField("tensor_type") and new.HasField("tensor_type")):
+        return True
+    a, b = old.tensor_type, new.tensor_type
+    if a.elem_type and b.elem_type and a.elem_type != b.elem_type:
+        return False
+    if a.HasField("shape") and b.HasField("shape"):
+        if len(a.shape.dim) != len(b.shape.dim):
+            return False
+        for x, y in zip(a.shape.dim, b.shape.dim):
+            if x.HasField("dim_value") and y.HasField("dim_value") and x.dim_value != y.dim_value:
+                return False
+    return True
+
+
+def _type_str(tp: onnx.TypeProto) -> str:
+    t = tp.tensor_type
+    dims = [str(d.dim_value) if d.HasField("dim_value") else (d.dim_param or "?")
+            for d in t.shape.dim] if t.HasField("shape") else ["?"]
+    return f"{onnx.helper.tensor_dtype_to_string(t.elem_type)}[{','.join(dims)}]"
+
+
+def validate(model: Model) -> None:
+    """Whole-model check: the ONNX checker and strict shape inference."""
+    _validate_model(model)
+
+
+__all__ = ["Engine", "validate", "MS_DOMAIN"]

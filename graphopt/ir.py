@@ -1,0 +1,431 @@
+"""The in-memory graph the engine rewrites: ONNX protos plus the indexes rules need.
+
+Nodes stay ``NodeProto`` objects (no conversion on load or save, which is what makes a
+40k-node model load, rewrite and save in well under a second); around them the graph keeps
+a (domain, op_type) -> nodes index, tensor -> producer and tensor -> consumers, and an
+order key per node so new nodes land where the nodes they replace stood. Every mutation goes
+through a few primitives that journal their inverse, so a rewrite can be rolled back.
+onnx-graphsurgeon is available for interop through :meth:`Model.to_graphsurgeon`.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+STANDARD_DOMAIN = ""
+MS_DOMAIN = "com.microsoft"
+
+
+def normalize_domain(domain: str) -> str:
+    return STANDARD_DOMAIN if domain in ("", "ai.onnx") else domain
+
+
+def get_attr(node: onnx.NodeProto, name: str, default=None):
+    for attr in node.attribute:
+        if attr.name == name:
+            return onnx.helper.get_attribute_value(attr)
+    return default
+
+
+def subgraphs_of(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield attr.g
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            yield from attr.graphs
+
+
+def free_variables(graph: onnx.GraphProto) -> list[str]:
+    """Outer-scope tensors a subgraph reads: they count as inputs of the node that owns it."""
+    defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    free: dict[str, None] = {}
+    for node in graph.node:
+        for sub in subgraphs_of(node):
+            for name in free_variables(sub):
+                if name not in defined:
+                    free[name] = None
+        for name in node.input:
+            if name and name not in defined:
+                free[name] = None
+        defined.update(node.output)
+    return list(free)
+
+
+class NameGenerator:
+    """Fresh names, unique across the whole model (all scopes), deterministic."""
+
+    def __init__(self, used: Iterable[str]):
+        self.used = set(used)
+        self._next: dict[str, int] = {}
+
+    def fresh(self, hint: str) -> str:
+        if hint not in self.used:
+            self.used.add(hint)
+            return hint
+        n = self._next.get(hint, 1)
+        while f"{hint}_{n}" in self.used:
+            n += 1
+        self._next[hint] = n + 1
+        name = f"{hint}_{n}"
+        self.used.add(name)
+        return name
+
+
+def _all_names(graph: onnx.GraphProto) -> Iterator[str]:
+    for vi in itertools.chain(graph.input, graph.output, graph.value_info):
+        yield vi.name
+    for t in graph.initializer:
+        yield t.name
+    for node in graph.node:
+        if node.name:
+            yield node.name
+        yield from node.output
+        for sub in subgraphs_of(node):
+            yield from _all_names(sub)
+
+
+def _collect_value_info(graph: onnx.GraphProto, found: dict) -> None:
+    for vi in itertools.chain(graph.value_info, graph.output):
+        if vi.type.HasField("tensor_type"):
+            found.setdefault(vi.name, vi.type)
+    for node in graph.node:
+        for sub in subgraphs_of(node):
+            _collect_value_info(sub, found)
+
+
+class Graph:
+    """One graph scope with its indexes. Node ids are stable ints; order keys are tuples."""
+
+    def __init__(self, proto: onnx.GraphProto, model: Model):
+        self.proto = proto
+        self.model = model
+        self.nodes: dict[int, onnx.NodeProto] = {}
+        self.order: dict[int, tuple] = {}
+        self.by_type: dict[tuple[str, str], dict[int, None]] = {}
+        self.producer: dict[str, int] = {}
+        self.consumers: dict[str, dict[int, None]] = {}
+        self.initializers: dict[str, onnx.TensorProto] = {t.name: t for t in proto.initializer}
+        self.input_names = [i.name for i in proto.input]
+        self.output_names = [o.name for o in proto.output]
+        self.protected = set(self.output_names)
+        self.types: dict[str, onnx.TypeProto] = {}
+        for vi in itertools.chain(proto.input, proto.output, proto.value_info):
+            if vi.type.HasField("tensor_type"):
+                self.types[vi.name] = vi.type
+        self._ids = itertools.count()
+        self._implicit: dict[int, list[str]] = {}
+        self.journal: list | None = None
+        for position, node in enumerate(proto.node):
+            self._index(node, (position,))
+        self.changed = False
+
+    # ---- reading -------------------------------------------------------------------
+    def nodes_of_type(self, op_type: str, domain: str = STANDARD_DOMAIN) -> list[int]:
+        return list(self.by_type.get((domain, op_type), ()))
+
+    def consumers_of(self, tensor: str) -> list[int]:
+        return list(self.consumers.get(tensor, ()))
+
+    def sorted_ids(self) -> list[int]:
+        return sorted(self.nodes, key=self.order.__getitem__)
+
+    def is_graph_input(self, tensor: str) -> bool:
+        return tensor in self.input_names
+
+    def is_output(self, tensor: str) -> bool:
+        return tensor in self.protected
+
+    def constant_value(self, tensor: str, max_elements: int = 1 << 20) -> np.ndarray | None:
+        """The value of an initializer or Constant-node output, if small enough to look at.
+
+        An initializer that is also a graph input can be overridden at run time, so it is
+        not a constant."""
+        init = self.initializers.get(tensor)
+        if init is not None:
+            if tensor in self.input_names or int(np.prod(init.dims)) > max_elements:
+                return None
+            return numpy_helper.to_array(init, self.model.base_dir)
+        node_id = self.producer.get(tensor)
+        if node_id is None:
+            return None
+        node = self.nodes[node_id]
+        if node.op_type != "Constant" or normalize_domain(node.domain):
+            return None
+        attr = node.attribute[0] if len(node.attribute) == 1 else None
+        if attr is None:
+            return None
+        if attr.name == "value":
+            return numpy_helper.to_array(attr.t)
+        if attr.name in ("value_float", "value_int"):
+            return np.array(onnx.helper.get_attribute_value(attr),
+                            dtype=np.float32 if attr.name == "value_float" else np.int64)
+        if attr.name in ("value_floats", "value_ints"):
+            return np.array(onnx.helper.get_attribute_value(attr),
+                            dtype=np.float32 if attr.name == "value_floats" else np.int64)
+        return None
+
+    def elem_type(self, tensor: str, infer: bool = True) -> int | None:
+        """Element type; with ``infer``, runs whole-model inference once if it must."""
+        tp = self.types.get(tensor)
+        if tp is not None:
+            return tp.tensor_type.elem_type or None
+        init = self.initializers.get(tensor)
+        if init is not None:
+            return init.data_type
+        node_id = self.producer.get(tensor)
+        if node_id is not None and self.nodes[node_id].op_type == "Constant":
+            value = self.constant_value(tensor, max_elements=1 << 30)
+            if value is not None:
+                return onnx.helper.np_dtype_to_tensor_dtype(value.dtype)
+        if infer and self.model.infer_types():
+            return self.elem_type(tensor, infer=False)
+        return None
+
+    def static_shape(self, tensor: str, infer: bool = True) -> list[int | None] | None:
+        """Shape with None for unknown dims, or None when even the rank is unknown."""
+        tp = self.types.get(tensor)
+        if tp is not None and tp.tensor_type.HasField("shape"):
+            return [d.dim_value if d.HasField("dim_value") else None
+                    for d in tp.tensor_type.shape.dim]
+        init = self.initializers.get(tensor)
+        if init is not None:
+            return list(init.dims)
+        if infer and self.model.infer_types():
+            return self.static_shape(tensor, infer=False)
+        return None
+
+    # ---- indexing ----------------------------------------------------------------
+    def _index(self, node: onnx.NodeProto, order: tuple, node_id: int | None = None) -> int:
+        node_id = next(self._ids) if node_id is None else node_id
+        self.nodes[node_id] = node
+        self.order[node_id] = order
+        key = (normalize_domain(node.domain), node.op_type)
+        self.by_type.setdefault(key, {})[node_id] = None
+        for name in node.output:
+            if name:
+                self.producer[name] = node_id
+        for name in node.input:
+            if name:
+                self.consumers.setdefault(name, {})[node_id] = None
+        implicit = [n for sub in subgraphs_of(node) for n in free_variables(sub)]
+        if implicit:
+            self._implicit[node_id] = implicit
+            for name in implicit:
+                self.consumers.setdefault(name, {})[node_id] = None
+        return node_id
+
+    def _unindex(self, node_id: int) -> onnx.NodeProto:
+        node = self.nodes.pop(node_id)
+        del self.order[node_id]
+        self.by_type[(normalize_domain(node.domain), node.op_type)].pop(node_id)
+        for name in node.output:
+            if name and self.producer.get(name) == node_id:
+                del self.producer[name]
+        for name in itertools.chain(node.input, self._implicit.pop(node_id, ())):
+            users = self.consumers.get(name)
+            if users is not None:
+                users.pop(node_id, None)
+                if not users:
+                    del self.consumers[name]
+        return node
+
+    # ---- journaled mutations -----------------------------------------------------------
+    def _log(self, undo) -> None:
+        self.changed = True
+        if self.journal is not None:
+            self.journal.append(undo)
+
+    def add_node(self, node: onnx.NodeProto, order: tuple) -> int:
+        node_id = self._index(node, order)
+        self._log(lambda: self._unindex(node_id))
+        return node_id
+
+    def remove_node(self, node_id: int) -> None:
+        order = self.order[node_id]
+        node = self._unindex(node_id)
+        self._log(lambda: self._index(node, order, node_id))
+
+    def replace_input(self, node_id: int, index: int, tensor: str) -> None:
+        node = self.nodes[node_id]
+        old = node.input[index]
+        self._set_input(node_id, index, tensor)
+        self._log(lambda: self._set_input(node_id, index, old))
+
+    def _set_input(self, node_id: int, index: int, tensor: str) -> None:
+        node = self.nodes[node_id]
+        old = node.input[index]
+        node.input[index] = tensor
+        if old and old not in node.input and old not in self._implicit.get(node_id, ()):
+            users = self.consumers[old]
+            users.pop(node_id, None)
+            if not users:
+                del self.consumers[old]
+        if tensor:
+            self.consumers.setdefault(tensor, {})[node_id] = None
+
+    def add_initializer(self, tensor: onnx.TensorProto) -> None:
+        self.initializers[tensor.name] = tensor
+        self._log(lambda: self.initializers.pop(tensor.name))
+
+    def remove_initializer(self, name: str) -> None:
+        tensor = self.initializers.pop(name)
+        self._log(lambda: self.initializers.__setitem__(name, tensor))
+
+    def set_attribute(self, node_id: int, attr: onnx.AttributeProto) -> None:
+        node = self.nodes[node_id]
+        previous = [a for a in node.attribute if a.name == attr.name]
+        saved = onnx.AttributeProto()
+        if previous:
+            saved.CopyFrom(previous[0])
+        self._put_attribute(node, attr)
+
+        def undo():
+            if previous:
+                self._put_attribute(node, saved)
+            else:
+                kept = [a for a in node.attribute if a.name != attr.name]
+                del node.attribute[:]
+                node.attribute.extend(kept)
+        self._log(undo)
+
+    @staticmethod
+    def _put_attribute(node: onnx.NodeProto, attr: onnx.AttributeProto) -> None:
+        for existing in node.attribute:
+            if existing.name == attr.name:
+                existing.CopyFrom(attr)
+                return
+        node.attribute.append(attr)
+
+    def set_type(self, tensor: str, type_proto: onnx.TypeProto) -> None:
+        old = self.types.get(tensor)
+        self.types[tensor] = type_proto
+        self._log(lambda: self.types.pop(tensor) if old is None
+                  else self.types.__setitem__(tensor, old))
+
+    def remove_dead(self, candidates: Iterable[str]) -> list[str]:
+        """Delete the producers (and initializers) of these tensors if nothing reads them
+        any more, and so on upstream; returns the tensors whose producers went away."""
+        dead_tensors = []
+        stack = [n for n in dict.fromkeys(candidates) if n]
+        while stack:
+            name = stack.pop()
+            if self.consumers.get(name) or self.is_output(name):
+                continue
+            producer = self.producer.get(name)
+            if producer is not None:
+                node = self.nodes[producer]
+                if any(self.consumers.get(o) or self.is_output(o) for o in node.output if o):
+                    continue
+                self.remove_node(producer)
+                dead_tensors.append(name)
+                stack.extend(n for n in node.input if n)
+            elif name in self.initializers and name not in self.input_names:
+                self.remove_initializer(name)
+        return dead_tensors
+
+    # ---- transactions ------------------------------------------------------------------
+    def begin(self) -> None:
+        self.journal = []
+        self._changed_before = self.changed
+
+    def commit(self) -> None:
+        self.journal = None
+
+    def rollback(self) -> None:
+        journal, self.journal = self.journal, None
+        for undo in reversed(journal):
+            undo()
+        self.changed = self._changed_before
+
+    # ---- writing back --------------------------------------------------------------
+    def flush(self) -> None:
+        """Write nodes (in order), initializers and inferred types back into the proto."""
+        if not self.changed:
+            return
+        ordered = [self.nodes[i] for i in self.sorted_ids()]
+        del self.proto.node[:]
+        self.proto.node.extend(ordered)
+        if [t.name for t in self.proto.initializer] != list(self.initializers):
+            kept = list(self.initializers.values())
+            del self.proto.initializer[:]
+            self.proto.initializer.extend(kept)
+        live = set(self.producer) | set(self.consumers)
+        stale = [vi for vi in self.proto.value_info if vi.name not in live]
+        if stale:
+            kept = [vi for vi in self.proto.value_info if vi.name in live]
+            del self.proto.value_info[:]
+            self.proto.value_info.extend(kept)
+
+
+class Model:
+    """A loaded ONNX model: the proto, where it came from, and its graph."""
+
+    def __init__(self, proto: onnx.ModelProto, path: str | None = None):
+        import os
+
+        self.proto = proto
+        self.path = path
+        self.base_dir = os.path.dirname(os.path.abspath(path)) if path else ""
+        self.names = NameGenerator(_all_names(proto.graph))
+        self.graph = Graph(proto.graph, self)
+        self._subgraphs: dict[int, Graph] = {}
+        self._inferred = False
+
+    @property
+    def opsets(self) -> dict[str, int]:
+        return {normalize_domain(o.domain): o.version for o in self.proto.opset_import}
+
+    def opset(self, domain: str = STANDARD_DOMAIN) -> int | None:
+        return self.opsets.get(domain)
+
+    def ensure_opset(self, domain: str, version: int = 1) -> bool:
+        if domain in self.opsets:
+            return False
+        self.proto.opset_import.append(onnx.helper.make_opsetid(domain, version))
+        return True
+
+    def graphs(self) -> Iterator[Graph]:
+        """The main graph, then every subgraph (depth first), each wrapped once."""
+        yield from self._walk(self.graph)
+
+    def _walk(self, graph: Graph) -> Iterator[Graph]:
+        yield graph
+        for node_id in graph.sorted_ids():
+            for sub in subgraphs_of(graph.nodes[node_id]):
+                key = id(sub)
+                if key not in self._subgraphs:
+                    self._subgraphs[key] = Graph(sub, self)
+                yield from self._walk(self._subgraphs[key])
+
+    def infer_types(self) -> bool:
+        """Fill every graph's type table from ONNX shape inference (with data propagation,
+        so shapes computed from Shape/Concat/... become static). Runs at most once per
+        model; types of tensors created later come from per-node inference."""
+        if self._inferred:
+            return False
+        self._inferred = True
+        try:
+            inferred = onnx.shape_inference.infer_shapes(self.flush(), data_prop=True)
+        except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError):
+            return False
+        found: dict[str, onnx.TypeProto] = {}
+        _collect_value_info(inferred.graph, found)
+        for graph in [self.graph, *self._subgraphs.values()]:
+            for name, tp in found.items():
+                if name not in graph.types and (name in graph.producer or name in graph.consumers):
+                    graph.types[name] = tp
+        return True
+
+    def flush(self) -> onnx.ModelProto:
+        for graph in list(self._subgraphs.values()) + [self.graph]:
+            graph.flush()
+        return self.proto
+
+    def to_graphsurgeon(self):
+        import onnx_graphsurgeon as gs
+
+        return gs.import_onnx(self.flush())

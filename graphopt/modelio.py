@@ -1,0 +1,218 @@
+"""Loading and saving models: clear errors for bad files, atomic writes, external data.
+
+Weights stored as external data are never read into memory on load; on save they are
+streamed, in chunks, into one data file beside the output.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+
+import onnx
+from google.protobuf.message import DecodeError
+
+from .errors import GraphoptError
+from .ir import Model
+
+EXTERNAL_COPY_CHUNK = 64 << 20
+
+
+def load(source, *, check: bool = True) -> Model:
+    """Load a model from a path or a ModelProto; any problem is a one-line GraphoptError."""
+    if isinstance(source, onnx.ModelProto):
+        proto = onnx.ModelProto()
+        proto.CopyFrom(source)
+        path = None
+    else:
+        path = os.fspath(source)
+        proto = _read_proto(path)
+    _check_looks_like_onnx(proto, path)
+    if check:
+        _check_external_data(proto, path)
+        try:
+            onnx.checker.check_model(path if _uses_external_data(proto) and path else proto)
+        except onnx.checker.ValidationError as exc:
+            raise GraphoptError(f"{path or 'model'}: invalid ONNX model: {_first_line(exc)}")
+    return Model(proto, path)
+
+
+def _read_proto(path: str) -> onnx.ModelProto:
+    if not os.path.exists(path):
+        raise GraphoptError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise GraphoptError(f"{path}: is a directory, not an ONNX file")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise GraphoptError(f"{path}: cannot read: {exc.strerror}") from None
+    if not data:
+        raise GraphoptError(f"{path}: empty file, not an ONNX model")
+    proto = onnx.ModelProto()
+    try:
+        proto.ParseFromString(data)
+    except (DecodeError, RuntimeError, ValueError):
+        raise GraphoptError(f"{path}: not an ONNX model (protobuf parse failed; truncated?)") \
+            from None
+    return proto
+
+
+def _check_looks_like_onnx(proto: onnx.ModelProto, path: str | None) -> None:
+    where = path or "model"
+    if proto.ir_version <= 0 or not proto.HasField("graph"):
+        raise GraphoptError(f"{where}: not an ONNX model (no ir_version or graph)")
+    if not proto.opset_import:
+        raise GraphoptError(f"{where}: not an ONNX model (no opset_import)")
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return " ".join(text[0].split()) if text else type(exc).__name__
+
+
+def _graph_tensors(graph: onnx.GraphProto):
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from _graph_tensors(attr.g)
+            for sub in attr.graphs:
+                yield from _graph_tensors(sub)
+
+
+def _external_tensors(proto: onnx.ModelProto) -> list[onnx.TensorProto]:
+    return [t for t in _graph_tensors(proto.graph)
+            if t.data_location == onnx.TensorProto.EXTERNAL]
+
+
+def _uses_external_data(proto: onnx.ModelProto) -> bool:
+    return bool(_external_tensors(proto))
+
+
+def _external_info(tensor: onnx.TensorProto) -> dict[str, str]:
+    return {e.key: e.value for e in tensor.external_data}
+
+
+def _check_external_data(proto: onnx.ModelProto, path: str | None) -> None:
+    """External data must stay inside the model's folder and exist: no path tricks."""
+    tensors = _external_tensors(proto)
+    if not tensors:
+        return
+    if path is None:
+        raise GraphoptError("model has external data but was given without a path to find it")
+    base = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    for tensor in tensors:
+        location = _external_info(tensor).get("location", "")
+        target = os.path.realpath(os.path.join(base, location))
+        if not location or os.path.isabs(location) or os.path.commonpath([base, target]) != base:
+            raise GraphoptError(f"{path}: tensor '{tensor.name}' has external data outside "
+                                f"the model's folder ({location!r})")
+        if not os.path.isfile(target):
+            raise GraphoptError(f"{path}: tensor '{tensor.name}' external data file "
+                                f"{location!r} is missing")
+        info = _external_info(tensor)
+        end = int(info.get("offset", 0)) + int(info.get("length", 0))
+        if end > os.path.getsize(target):
+            raise GraphoptError(f"{path}: tensor '{tensor.name}' external data runs past the "
+                                f"end of {location!r}")
+
+
+def check_output_path(out: str, source: str | None, in_place: bool) -> None:
+    """Refuse before doing any work: a missing folder, or overwriting the input by accident."""
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise GraphoptError(f"{out}: output folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise GraphoptError(f"{out}: output folder {folder} is not writable")
+    if os.path.isdir(out):
+        raise GraphoptError(f"{out}: is a directory")
+    if source and os.path.exists(out) and os.path.samefile(out, source) and not in_place:
+        raise GraphoptError(f"{out}: would overwrite the input; pass --in-place to allow it")
+
+
+def save(model: Model, out: str) -> None:
+    """Write atomically: temporary files in the output folder, fsync, then rename."""
+    proto = model.flush()
+    folder = os.path.dirname(os.path.abspath(out))
+    external = _external_tensors(proto)
+    data_name = os.path.basename(out) + ".data"
+    staged: list[tuple[str, str]] = []
+    try:
+        if external:
+            proto = _stage_external_data(proto, external, model.base_dir, folder, data_name,
+                                         staged)
+        tmp = _temp_in(folder, os.path.basename(out))
+        staged.append((tmp, out))
+        with open(tmp, "wb") as f:
+            f.write(proto.SerializeToString())
+            f.flush()
+            os.fsync(f.fileno())
+        for tmp_path, final in staged:  # the model file is renamed last
+            os.replace(tmp_path, final)
+    except BaseException:
+        for tmp_path, _ in staged:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp_path)
+        raise
+
+
+def _temp_in(folder: str, stem: str) -> str:
+    fd, tmp = tempfile.mkstemp(prefix=f".{stem}.", suffix=".tmp", dir=folder)
+    os.close(fd)
+    return tmp
+
+
+def _stage_external_data(proto, external, base_dir, folder, data_name, staged):
+    """Copy every external tensor's bytes, chunk by chunk, into one new data file."""
+    out_proto = onnx.ModelProto()
+    out_proto.CopyFrom(proto)
+    tensors = {t.name: t for t in _external_tensors(out_proto)}
+    tmp = _temp_in(folder, data_name)
+    staged.append((tmp, os.path.join(folder, data_name)))
+    with open(tmp, "wb") as dst:
+        for source_tensor in external:
+            info = _external_info(source_tensor)
+            offset, length = int(info.get("offset", 0)), int(info.get("length", 0))
+            src_path = os.path.join(base_dir, info["location"])
+            if not length:
+                length = os.path.getsize(src_path) - offset
+            pad = (-dst.tell()) % 4096
+            dst.write(b"\0" * pad)
+            new_offset = dst.tell()
+            with open(src_path, "rb") as src:
+                src.seek(offset)
+                remaining = length
+                while remaining:
+                    chunk = src.read(min(EXTERNAL_COPY_CHUNK, remaining))
+                    if not chunk:
+                        raise GraphoptError(f"external data for '{source_tensor.name}' ends early")
+                    dst.write(chunk)
+                    remaining -= len(chunk)
+            target = tensors[source_tensor.name]
+            del target.external_data[:]
+            for key, value in (("location", data_name), ("offset", str(new_offset)),
+                               ("length", str(length))):
+                entry = target.external_data.add()
+                entry.key, entry.value = key, value
+        dst.flush()
+        os.fsync(dst.fileno())
+    return out_proto
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = _temp_in(folder, os.path.basename(path))
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,61 @@
+"""Where rules come from: the built-in ``graphopt.rules`` package, rules registered in code,
+and third-party packages through the ``graphopt.rules`` entry point group."""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from importlib.metadata import entry_points
+
+from .dsl import Pass, Rule
+from .errors import GraphoptError
+
+ENTRY_POINT_GROUP = "graphopt.rules"
+_registered: dict[str, Rule | Pass] = {}
+
+
+def register(*rules: Rule | Pass) -> None:
+    """Make user rules available by name to ``optimize`` and the CLI."""
+    for rule in rules:
+        if not isinstance(rule, (Rule, Pass)):
+            raise TypeError(f"not a Rule or Pass: {rule!r}")
+        _registered[rule.name] = rule
+
+
+def _rules_in(module) -> list[Rule | Pass]:
+    found = []
+    for value in vars(module).values():
+        if isinstance(value, (Rule, Pass)):
+            found.append(value)
+        elif isinstance(value, (list, tuple)) and value and all(
+                isinstance(v, (Rule, Pass)) for v in value):
+            found.extend(value)
+    return list({id(r): r for r in found}.values())
+
+
+def builtin_rules() -> list[Rule | Pass]:
+    package = importlib.import_module("graphopt.rules")
+    rules = []
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
+        if not info.name.startswith("_"):
+            rules.extend(_rules_in(importlib.import_module(f"graphopt.rules.{info.name}")))
+    return rules
+
+
+def plugin_rules() -> list[Rule | Pass]:
+    rules = []
+    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        try:
+            obj = ep.load()
+        except Exception as exc:  # a broken plugin must not break graphopt
+            raise GraphoptError(f"rule plugin '{ep.name}' failed to load: {exc}") from None
+        items = obj if isinstance(obj, (list, tuple)) else [obj]
+        rules.extend(r for r in items if isinstance(r, (Rule, Pass)))
+    return rules
+
+
+def all_rules() -> dict[str, Rule | Pass]:
+    """Every known rule by name, in a stable order: built-ins, plugins, registered."""
+    rules: dict[str, Rule | Pass] = {}
+    for rule in builtin_rules() + plugin_rules() + list(_registered.values()):
+        rules[rule.name] = rule
+    return dict(sorted(rules.items(), key=lambda kv: (kv[1].level, kv[0])))

@@ -1,0 +1,84 @@
+"""What the optimizer did, per rule: for people (a table) and for tools (JSON)."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RuleStats:
+    name: str
+    kind: str
+    level: int
+    candidates: int = 0
+    rewrites: int = 0
+    rollbacks: int = 0
+    seconds: float = 0.0
+    rollback_reasons: list[str] = field(default_factory=list)
+    near_misses: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    model: str = ""
+    rules: dict[str, RuleStats] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    nodes_before: int = 0
+    nodes_after: int = 0
+    seconds: float = 0.0
+    validation_seconds: float = 0.0
+    validated: bool = False
+
+    def stats(self, rule) -> RuleStats:
+        if rule.name not in self.rules:
+            self.rules[rule.name] = RuleStats(rule.name, rule.kind, rule.level)
+        return self.rules[rule.name]
+
+    @property
+    def total_rewrites(self) -> int:
+        return sum(s.rewrites for s in self.rules.values())
+
+    @property
+    def fired(self) -> list[str]:
+        return [s.name for s in self.rules.values() if s.rewrites]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+    def format_table(self) -> str:
+        header = ("rule", "level", "candidates", "rewrites", "rollbacks", "ms")
+        rows = [(s.name, str(s.level), str(s.candidates), str(s.rewrites), str(s.rollbacks),
+                 f"{s.seconds * 1e3:.1f}") for s in self.rules.values()]
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                           for i, (c, w) in enumerate(zip(row, widths)))
+                 for row in [header, *rows]]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines.append("")
+        lines.append(f"nodes: {self.nodes_before} -> {self.nodes_after}; "
+                     f"rewrites: {self.total_rewrites}; "
+                     f"time: {self.seconds * 1e3:.1f} ms"
+                     + (f" (validation {self.validation_seconds * 1e3:.1f} ms)"
+                        if self.validated else ""))
+        fired = self.fired
+        lines.append("fired: " + (", ".join(fired) if fired else "none"))
+        for stats in self.rules.values():
+            for reason in stats.rollback_reasons:
+                lines.append(f"rolled back ({stats.name}): {reason}")
+        lines.extend(f"warning: {w}" for w in self.warnings)
+        return "\n".join(lines)
+
+    def format_explain(self, rule_name: str) -> str:
+        stats = self.rules.get(rule_name)
+        if stats is None:
+            return f"{rule_name}: did not run (disabled, wrong level, provider or opset)"
+        if not stats.near_misses:
+            return (f"{rule_name}: {stats.candidates} candidate(s), {stats.rewrites} rewrite(s), "
+                    "no near misses")
+        lines = [f"{rule_name}: {stats.candidates} candidate(s), {stats.rewrites} rewrite(s); "
+                 "why it did not match:"]
+        lines += [f"  at {miss['at']}: {miss['reason']}" for miss in stats.near_misses]
+        return "\n".join(lines)

@@ -1,0 +1,37 @@
+"""What FusedMatMul can express, shared by the FusedMatMul fusions (DESIGN 3.3).
+
+FusedMatMul applies, to each input, ``transBatch`` (move dim 0 to just before the last dim)
+and then ``trans`` (swap the last two dims). A Transpose feeding it can be absorbed when
+the Transpose followed by what the flags already do is one of those four permutations."""
+from __future__ import annotations
+
+
+def flags_permutation(rank: int, trans: bool, trans_batch: bool) -> list[int]:
+    perm = list(range(rank))
+    if rank >= 3 and trans_batch:
+        perm = list(range(1, rank - 1)) + [0, rank - 1]
+    if rank >= 2 and trans:
+        perm[-2], perm[-1] = perm[-1], perm[-2]
+    return perm
+
+
+def absorb_transpose(perm: list[int], trans: bool, trans_batch: bool):
+    """Flags (trans, trans_batch) equal to Transpose(perm) then the current flags, or None."""
+    rank = len(perm)
+    current = flags_permutation(rank, trans, trans_batch)
+    composed = [perm[i] for i in current]
+    for new_batch in ((False, True) if rank >= 3 else (False,)):
+        for new_trans in (False, True):
+            if flags_permutation(rank, new_trans, new_batch) == composed:
+                return new_trans, new_batch
+    return None
+
+
+def fused_attrs(node) -> dict:
+    """The FusedMatMul attributes of a MatMul or FusedMatMul node, defaults filled in."""
+    if node is None or node.op_type == "MatMul":
+        return {"alpha": 1.0, "transA": 0, "transB": 0, "transBatchA": 0, "transBatchB": 0}
+    return {"alpha": float(node.attr("alpha", 1.0)), "transA": int(node.attr("transA", 0)),
+            "transB": int(node.attr("transB", 0)),
+            "transBatchA": int(node.attr("transBatchA", 0)),
+            "transBatchB": int(node.attr("transBatchB", 0))}

@@ -1,0 +1,66 @@
+"""Nodes whose inputs are all small constants -> initializers holding their result (so the
+rules after it see constants where exporters wrote Unsqueeze(Constant) and the like)."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from graphopt.dsl import Pass
+from graphopt.ir import STANDARD_DOMAIN, normalize_domain, subgraphs_of
+
+MAX_FOLDED_ELEMENTS = 4096  # keep weights out: folding Transpose(W) would duplicate them
+NOT_FOLDED = frozenset({"Constant", "RandomNormal", "RandomNormalLike", "RandomUniform",
+                        "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"})
+
+
+def _evaluate(graph, node):
+    from onnx.reference import ReferenceEvaluator
+
+    inputs = {name: graph.constant_value(name) for name in node.input if name}
+    if any(v is None for v in inputs.values()):
+        return None
+    opset = graph.model.opset(STANDARD_DOMAIN) or 1
+    single = onnx.helper.make_graph(
+        [node], "fold",
+        [onnx.helper.make_tensor_value_info(n, onnx.helper.np_dtype_to_tensor_dtype(v.dtype),
+                                            v.shape) for n, v in inputs.items()],
+        [onnx.helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None)
+         for o in node.output if o])
+    model = onnx.helper.make_model(single, opset_imports=[onnx.helper.make_opsetid("", opset)])
+    try:
+        return ReferenceEvaluator(model).run(None, inputs)
+    except Exception:  # an op the reference cannot evaluate simply stays as it is
+        return None
+
+
+def fold(graph, report) -> int:
+    folded = 0
+    for node_id in graph.sorted_ids():
+        node = graph.nodes.get(node_id)
+        if (node is None or node.op_type in NOT_FOLDED or not node.input
+                or normalize_domain(node.domain) != STANDARD_DOMAIN
+                or any(True for _ in subgraphs_of(node))
+                or any(graph.is_output(o) for o in node.output)
+                or not all(name and graph.constant_value(name, MAX_FOLDED_ELEMENTS) is not None
+                           for name in node.input)):
+            continue
+        values = _evaluate(graph, node)
+        if values is None or any(np.asarray(v).size > MAX_FOLDED_ELEMENTS for v in values):
+            continue
+        outputs = [o for o in node.output if o]
+        graph.remove_node(node_id)
+        for name, value in zip(outputs, values):
+            graph.add_initializer(numpy_helper.from_array(np.asarray(value), name))
+        graph.remove_dead(node.input)
+        folded += 1
+    return folded
+
+
+PASS = Pass(
+    name="fold_constants",
+    description="Nodes computing small constants from constants -> initializers",
+    level=1,
+    tags=("cleanup",),
+    run=fold,
+)

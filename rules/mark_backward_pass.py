@@ -1,0 +1,58 @@
+"""Every node of the backward pass gets __backwardpass=1: the com.microsoft YieldOp and every
+node that is not an ancestor of it (ONNX Runtime's RocmBlasAltImpl, without depending on
+node order). The executor runs these nodes under the BackwardPassGuard."""
+from __future__ import annotations
+
+import onnx
+
+from graphopt.dsl import Pass
+from graphopt.errors import GraphoptError
+from graphopt.ir import MS_DOMAIN, get_attr
+
+ATTRIBUTE = "__backwardpass"
+
+
+def forward_nodes(graph, yield_id: int) -> set[int]:
+    """YieldOp's ancestors: the nodes whose results the forward outputs depend on."""
+    ancestors: set[int] = set()
+    stack = [yield_id]
+    while stack:
+        node_id = stack.pop()
+        node = graph.nodes[node_id]
+        for name in list(node.input) + graph._implicit.get(node_id, []):
+            producer = graph.producer.get(name)
+            if producer is not None and producer not in ancestors:
+                ancestors.add(producer)
+                stack.append(producer)
+    return ancestors
+
+
+def mark(graph, report) -> int:
+    yields = graph.nodes_of_type("YieldOp", MS_DOMAIN)
+    if not yields:
+        return 0
+    if len(yields) > 1:
+        names = ", ".join(repr(graph.nodes[i].name) for i in yields)
+        raise GraphoptError(f"the graph has {len(yields)} YieldOp nodes ({names}); "
+                            "a training graph has exactly one")
+    forward = forward_nodes(graph, yields[0])
+    changes = 0
+    for node_id in graph.sorted_ids():
+        node = graph.nodes[node_id]
+        marked = get_attr(node, ATTRIBUTE) == 1
+        if node_id in forward and marked:
+            graph.set_attribute(node_id, onnx.helper.make_attribute(ATTRIBUTE, 0))
+            changes += 1
+        elif node_id not in forward and not marked:
+            graph.set_attribute(node_id, onnx.helper.make_attribute(ATTRIBUTE, 1))
+            changes += 1
+    return changes
+
+
+PASS = Pass(
+    name="mark_backward_pass",
+    description="YieldOp and every node after it get __backwardpass=1 (FP16 alt GEMM/conv)",
+    level=1,
+    tags=("training", "rocm"),
+    run=mark,
+)

@@ -1,0 +1,44 @@
+"""MatMul/FusedMatMul whose input is a Transpose FusedMatMul can express -> FusedMatMul with
+transA/transB/transBatchA/transBatchB; the Transpose stays only if something else reads it."""
+from graphopt.dsl import Rule, is_float, one_of, op, var
+
+from ._fused_matmul import absorb_transpose, fused_attrs
+
+a, b = var("a"), var("b")
+
+
+def _transposed(x, name):
+    return op.Transpose(x, _name=name)
+
+
+def fuse(m):
+    base = m.base
+    attrs = fused_attrs(base)
+    for side, transpose in (("A", m.get("ta")), ("B", m.get("tb"))):
+        if transpose is None:
+            continue
+        perm = transpose.attr("perm")
+        if perm is None:
+            return "Transpose has no perm (reverses all dims; rank unknown)"
+        flags = absorb_transpose(list(perm), bool(attrs["trans" + side]),
+                                 bool(attrs["transBatch" + side]))
+        if flags is None:
+            return f"Transpose perm {list(perm)} is not expressible by FusedMatMul flags"
+        attrs["trans" + side], attrs["transBatch" + side] = int(flags[0]), int(flags[1])
+    return op.ms.FusedMatMul(m.a, m.b, **attrs)
+
+
+RULE = Rule(
+    name="matmul_transpose_to_fused_matmul",
+    description=__doc__.splitlines()[0],
+    level=2,
+    tags=("fusion", "com.microsoft"),
+    match=one_of(
+        op.MatMul(_transposed(a, "ta"), b, _name="base"),
+        op.MatMul(a, _transposed(b, "tb"), _name="base"),
+        op.ms.FusedMatMul(_transposed(a, "ta"), b, _name="base"),
+        op.ms.FusedMatMul(a, _transposed(b, "tb"), _name="base"),
+    ),
+    where=[is_float("b", "a", reason="FusedMatMul needs float inputs")],
+    rewrite=fuse,
+)
