@@ -1,0 +1,29 @@
+"""Reference ONNX executor (inference and ONNX Runtime training graphs) on NumPy or CuPy."""
+
+from .errors import (
+    CupyNotInstalledError,
+    DeviceUnavailableError,
+    ExecutorError,
+    FeedError,
+    InvalidModelError,
+    KernelError,
+    NoGpuDeviceError,
+    UnsupportedOpsError,
+    WrongGpuPlatformError,
+)
+from .registry import supported_ops_markdown
+from .session import Session
+
+__all__ = [
+    "CupyNotInstalledError",
+    "DeviceUnavailableError",
+    "ExecutorError",
+    "FeedError",
+    "InvalidModelError",
+    "KernelError",
+    "NoGpuDeviceError",
+    "Session",
+    "UnsupportedOpsError",
+    "WrongGpuPlatformError",
+    "supported_ops_markdown",
+]

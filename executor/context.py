@@ -1,0 +1,52 @@
+"""Per-session kernel context: what every kernel may read besides its inputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .backend import ArrayBackend
+
+
+class KernelContext:
+    """``xp`` is numpy or cupy; ``numerics`` the FP16 policy object or None; ``training``
+    the default Dropout mode for graphs that do not say; ``yield_feeds`` the caller-given
+    gradients for YieldOp outputs during one run."""
+
+    __slots__ = ("backend", "xp", "numerics", "training", "yield_feeds", "_rng", "_node_rngs")
+
+    def __init__(self, backend: ArrayBackend, numerics: Any, training: bool, seed: int | None):
+        self.backend = backend
+        self.xp = backend.xp
+        self.numerics = numerics
+        self.training = training
+        self.yield_feeds: dict[str, Any] = {}
+        self._rng = np.random.default_rng(seed)
+        self._node_rngs: dict[str, np.random.Generator] = {}
+
+    def host_ints(self, array) -> list[int]:
+        """Small integer tensors (shapes, axes, starts) as Python ints."""
+        return [int(v) for v in np.asarray(self.backend.to_host(array)).reshape(-1)]
+
+    def host_scalar(self, array):
+        return np.asarray(self.backend.to_host(array)).reshape(-1)[0].item()
+
+    def uniform(self, shape, node_name: str = "", seed: int | None = None) -> Any:
+        """Uniform [0, 1) float32 samples on the session's device. A node with its own
+        ``seed`` attribute gets its own generator, created once, so its stream is
+        reproducible across sessions and still advances from run to run."""
+        rng = self._rng
+        if seed is not None:
+            rng = self._node_rngs.get(node_name)
+            if rng is None:
+                rng = self._node_rngs[node_name] = np.random.default_rng(seed)
+        elif self.backend.is_gpu:
+            return self.xp.random.random_sample(shape, dtype=np.float32)
+        return self.backend.to_device(rng.random(shape, dtype=np.float32))
+
+    def reseed(self, seed: int) -> None:
+        self._rng = np.random.default_rng(seed)
+        self._node_rngs.clear()
+        if self.backend.is_gpu:
+            self.xp.random.seed(seed)

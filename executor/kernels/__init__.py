@@ -1,0 +1,14 @@
+"""Kernel families. Importing this package registers every kernel in executor.registry."""
+
+from . import (  # noqa: F401
+    contrib,
+    conv,
+    elementwise,
+    gather,
+    linalg,
+    loss,
+    nn,
+    reduce,
+    shape,
+    training_ops,
+)

@@ -1,0 +1,88 @@
+"""Helpers shared by kernel families."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+
+_SQRT_HALF = math.sqrt(0.5)
+
+
+def np_dtype(onnx_elem_type: int) -> np.dtype:
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(onnx_elem_type))
+
+
+def norm_axis(axis: int, rank: int) -> int:
+    return axis + rank if axis < 0 else axis
+
+
+def compute_dtype(dtype) -> np.dtype:
+    """Float16/bfloat16 math runs in float32 and is rounded back, as GPU kernels do."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if dtype.itemsize < 4 and dtype.kind in "fV" else dtype
+
+
+def _erf_numpy(x):
+    if x.dtype == np.float64:
+        return _exact_erf(x)
+    # Rational Chebyshev fit of erfc (fractional error < 1.2e-7), evaluated in float64.
+    z = np.abs(x.astype(np.float64))
+    t = 1.0 / (1.0 + 0.5 * z)
+    poly = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
+        -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (
+            -0.82215223 + t * 0.17087277))))))))
+    erfc = t * np.exp(-z * z + poly)
+    return np.copysign(1.0 - erfc, x).astype(x.dtype)
+
+
+_exact_erf_ufunc = np.frompyfunc(math.erf, 1, 1)
+
+
+def _exact_erf(x):
+    return _exact_erf_ufunc(x).astype(np.float64)
+
+
+def erf(xp, x):
+    if xp is np:
+        return _erf_numpy(np.asarray(x))
+    from cupyx.scipy.special import erf as cupy_erf  # noqa: PLC0415
+
+    return cupy_erf(x)
+
+
+def gelu_exact(xp, x):
+    return 0.5 * x * (1.0 + erf(xp, x * _SQRT_HALF))
+
+
+def gelu_exact_grad(xp, x):
+    cdf = 0.5 * (1.0 + erf(xp, x * _SQRT_HALF))
+    pdf = xp.exp(-0.5 * x * x) * (1.0 / math.sqrt(2.0 * math.pi))
+    return cdf + x * pdf
+
+
+_TANH_C = math.sqrt(2.0 / math.pi)
+_TANH_K = 0.044715
+
+
+def gelu_tanh(xp, x):
+    return 0.5 * x * (1.0 + xp.tanh(_TANH_C * (x + _TANH_K * x * x * x)))
+
+
+def gelu_tanh_grad(xp, x):
+    inner = _TANH_C * (x + _TANH_K * x * x * x)
+    th = xp.tanh(inner)
+    return 0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * _TANH_C * (1.0 + 3.0 * _TANH_K * x * x)
+
+
+def in_compute_dtype(fn):
+    """Run ``fn(xp, x)`` in float32 for half-precision x and cast the result back."""
+
+    def run(xp, x):
+        ct = compute_dtype(x.dtype)
+        if ct == x.dtype:
+            return fn(xp, x)
+        return fn(xp, x.astype(ct)).astype(x.dtype)
+
+    return run

@@ -1,0 +1,256 @@
+"""Elementwise math, comparisons, logic, activations, Cast, Where, Clip."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..registry import kernel
+from ._util import erf, gelu_exact, gelu_tanh, in_compute_dtype, np_dtype
+
+
+def _same_dtype(xp, result, dtype):
+    return result if result.dtype == dtype else result.astype(dtype)
+
+
+# ---- binary arithmetic ---------------------------------------------------------------
+@kernel("Add")
+def add(ctx, node, a, b):
+    return ctx.xp.add(a, b)
+
+
+@kernel("Sub")
+def sub(ctx, node, a, b):
+    return ctx.xp.subtract(a, b)
+
+
+@kernel("Mul")
+def mul(ctx, node, a, b):
+    return ctx.xp.multiply(a, b)
+
+
+@kernel("Div")
+def div(ctx, node, a, b):
+    xp = ctx.xp
+    if a.dtype.kind in "iu":  # integer division truncates toward zero in ONNX
+        return xp.trunc(xp.true_divide(a, b)).astype(a.dtype)
+    return xp.true_divide(a, b)
+
+
+@kernel("Pow")
+def pow_(ctx, node, a, b):
+    xp = ctx.xp
+    if a.dtype.kind == "f" and b.dtype.kind == "f" and a.dtype == b.dtype:
+        return xp.power(a, b)
+    return xp.power(a.astype(np.float64), b.astype(np.float64)).astype(a.dtype)
+
+
+@kernel("Mod")
+def mod(ctx, node, a, b):
+    xp = ctx.xp
+    if node.attrs.get("fmod", 0) == 1:
+        return xp.fmod(a, b)
+    return xp.mod(a, b)
+
+
+@kernel("PRelu")
+def prelu(ctx, node, x, slope):
+    return ctx.xp.where(x < 0, x * slope, x).astype(x.dtype)
+
+
+# ---- variadic ------------------------------------------------------------------------
+def _fold(fn):
+    def run(ctx, node, *xs):
+        result = xs[0]
+        for x in xs[1:]:
+            result = fn(ctx.xp, result, x)
+        return result if len(xs) > 1 else result.copy()
+
+    return run
+
+
+kernel("Sum")(_fold(lambda xp, a, b: xp.add(a, b)))
+kernel("Max")(_fold(lambda xp, a, b: xp.maximum(a, b)))
+kernel("Min")(_fold(lambda xp, a, b: xp.minimum(a, b)))
+
+
+@kernel("Mean")
+def mean(ctx, node, *xs):
+    total = _fold(lambda xp, a, b: xp.add(a, b))(ctx, node, *xs)
+    return (total / len(xs)).astype(xs[0].dtype)
+
+
+# ---- comparisons and logic -----------------------------------------------------------
+kernel("Equal")(lambda ctx, node, a, b: ctx.xp.equal(a, b))
+kernel("Less")(lambda ctx, node, a, b: ctx.xp.less(a, b))
+kernel("LessOrEqual")(lambda ctx, node, a, b: ctx.xp.less_equal(a, b))
+kernel("Greater")(lambda ctx, node, a, b: ctx.xp.greater(a, b))
+kernel("GreaterOrEqual")(lambda ctx, node, a, b: ctx.xp.greater_equal(a, b))
+kernel("And")(lambda ctx, node, a, b: ctx.xp.logical_and(a, b))
+kernel("Or")(lambda ctx, node, a, b: ctx.xp.logical_or(a, b))
+kernel("Xor")(lambda ctx, node, a, b: ctx.xp.logical_xor(a, b))
+kernel("Not")(lambda ctx, node, x: ctx.xp.logical_not(x))
+kernel("BitwiseAnd")(lambda ctx, node, a, b: ctx.xp.bitwise_and(a, b))
+kernel("BitwiseOr")(lambda ctx, node, a, b: ctx.xp.bitwise_or(a, b))
+kernel("BitwiseXor")(lambda ctx, node, a, b: ctx.xp.bitwise_xor(a, b))
+kernel("BitwiseNot")(lambda ctx, node, x: ctx.xp.bitwise_not(x))
+
+
+@kernel("IsNaN")
+def isnan(ctx, node, x):
+    return ctx.xp.isnan(x)
+
+
+@kernel("IsInf")
+def isinf(ctx, node, x):
+    result = ctx.xp.isinf(x)
+    if not node.attrs.get("detect_positive", 1):
+        result &= x < 0
+    if not node.attrs.get("detect_negative", 1):
+        result &= x > 0
+    return result
+
+
+# ---- unary math ----------------------------------------------------------------------
+_UNARY = {
+    "Abs": lambda xp, x: xp.abs(x),
+    "Neg": lambda xp, x: xp.negative(x),
+    "Sign": lambda xp, x: xp.sign(x),
+    "Floor": lambda xp, x: xp.floor(x),
+    "Ceil": lambda xp, x: xp.ceil(x),
+    "Round": lambda xp, x: xp.round(x),  # numpy rounds half to even, as ONNX requires
+}
+_FLOAT_UNARY = {
+    "Sqrt": lambda xp, x: xp.sqrt(x),
+    "Exp": lambda xp, x: xp.exp(x),
+    "Log": lambda xp, x: xp.log(x),
+    "Reciprocal": lambda xp, x: xp.reciprocal(x),
+    "Tanh": lambda xp, x: xp.tanh(x),
+    "Sin": lambda xp, x: xp.sin(x),
+    "Cos": lambda xp, x: xp.cos(x),
+    "Tan": lambda xp, x: xp.tan(x),
+    "Asin": lambda xp, x: xp.arcsin(x),
+    "Acos": lambda xp, x: xp.arccos(x),
+    "Atan": lambda xp, x: xp.arctan(x),
+    "Sinh": lambda xp, x: xp.sinh(x),
+    "Cosh": lambda xp, x: xp.cosh(x),
+    "Asinh": lambda xp, x: xp.arcsinh(x),
+    "Acosh": lambda xp, x: xp.arccosh(x),
+    "Atanh": lambda xp, x: xp.arctanh(x),
+    "Erf": lambda xp, x: erf(xp, x),
+    "Sigmoid": lambda xp, x: 1.0 / (1.0 + xp.exp(-x)),
+    "Softplus": lambda xp, x: xp.logaddexp(0.0, x),
+    "Softsign": lambda xp, x: x / (1.0 + xp.abs(x)),
+    "Relu": lambda xp, x: xp.maximum(x, 0),
+    "Mish": lambda xp, x: x * xp.tanh(xp.logaddexp(0.0, x)),
+}
+
+
+def _unary_kernel(fn, float_only):
+    compute = in_compute_dtype(fn) if float_only else fn
+
+    def run(ctx, node, x):
+        return _same_dtype(ctx.xp, compute(ctx.xp, x), x.dtype)
+
+    return run
+
+
+for _name, _fn in _UNARY.items():
+    kernel(_name)(_unary_kernel(_fn, False))
+for _name, _fn in _FLOAT_UNARY.items():
+    kernel(_name)(_unary_kernel(_fn, _name != "Relu"))
+
+
+# ---- parameterised activations -------------------------------------------------------
+@kernel("LeakyRelu")
+def leaky_relu(ctx, node, x):
+    alpha = node.attrs.get("alpha", 0.01)
+    return ctx.xp.where(x >= 0, x, x * x.dtype.type(alpha))
+
+
+@kernel("Elu")
+def elu(ctx, node, x):
+    alpha = node.attrs.get("alpha", 1.0)
+    return ctx.xp.where(x > 0, x, alpha * (ctx.xp.exp(x) - 1.0)).astype(x.dtype)
+
+
+@kernel("Celu")
+def celu(ctx, node, x):
+    alpha = node.attrs.get("alpha", 1.0)
+    xp = ctx.xp
+    return (xp.maximum(x, 0) + xp.minimum(0, alpha * (xp.exp(x / alpha) - 1.0))).astype(x.dtype)
+
+
+@kernel("Selu")
+def selu(ctx, node, x):
+    alpha = node.attrs.get("alpha", 1.67326319217681884765625)
+    gamma = node.attrs.get("gamma", 1.05070102214813232421875)
+    xp = ctx.xp
+    return (gamma * xp.where(x > 0, x, alpha * (xp.exp(x) - 1.0))).astype(x.dtype)
+
+
+@kernel("ThresholdedRelu")
+def thresholded_relu(ctx, node, x):
+    alpha = node.attrs.get("alpha", 1.0)
+    return ctx.xp.where(x > alpha, x, 0).astype(x.dtype)
+
+
+@kernel("HardSigmoid")
+def hard_sigmoid(ctx, node, x):
+    alpha, beta = node.attrs.get("alpha", 0.2), node.attrs.get("beta", 0.5)
+    return ctx.xp.clip(alpha * x + beta, 0, 1).astype(x.dtype)
+
+
+@kernel("HardSwish")
+def hard_swish(ctx, node, x):
+    return (x * ctx.xp.clip(x / 6.0 + 0.5, 0, 1)).astype(x.dtype)
+
+
+@kernel("Gelu", since=20)
+def gelu(ctx, node, x):
+    fn = gelu_tanh if node.attrs.get("approximate", "none") == "tanh" else gelu_exact
+    return _same_dtype(ctx.xp, in_compute_dtype(fn)(ctx.xp, x), x.dtype)
+
+
+# ---- Clip, Where, Cast ---------------------------------------------------------------
+@kernel("Clip", since=1, until=10)
+def clip_attr(ctx, node, x):
+    lo = node.attrs.get("min", -math.inf)
+    hi = node.attrs.get("max", math.inf)
+    return ctx.xp.clip(x, lo, hi).astype(x.dtype)
+
+
+@kernel("Clip", since=11)
+def clip(ctx, node, x, lo=None, hi=None):
+    xp = ctx.xp
+    result = x
+    if lo is not None:
+        result = xp.maximum(result, lo)
+    if hi is not None:
+        result = xp.minimum(result, hi)
+    return result.copy() if result is x else result.astype(x.dtype, copy=False)
+
+
+@kernel("Where")
+def where(ctx, node, condition, a, b):
+    return ctx.xp.where(condition, a, b)
+
+
+def _cast(xp, x, dtype):
+    if x.dtype == dtype:
+        return x.copy()
+    if dtype == np.bool_ or x.dtype.kind not in "fV" or dtype.kind == "f" or dtype.kind == "V":
+        return x.astype(dtype)
+    # float -> integer: C-style truncation of finite values
+    return xp.trunc(x).astype(dtype)
+
+
+@kernel("Cast")
+def cast(ctx, node, x):
+    return _cast(ctx.xp, x, np_dtype(node.attrs["to"]))
+
+
+@kernel("CastLike", since=15)
+def cast_like(ctx, node, x, like):
+    return _cast(ctx.xp, x, like.dtype)

@@ -1,0 +1,109 @@
+"""Indexing: Gather, GatherElements, GatherND, ScatterND, ScatterElements, OneHot, TopK, ..."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..registry import kernel
+from ._util import norm_axis
+
+
+def _fix_negative(xp, indices, dim):
+    return xp.where(indices < 0, indices + dim, indices)
+
+
+@kernel("Gather")
+def gather(ctx, node, data, indices):
+    axis = norm_axis(node.attrs.get("axis", 0), data.ndim)
+    indices = _fix_negative(ctx.xp, indices, data.shape[axis])
+    return ctx.xp.take(data, indices, axis=axis)
+
+
+@kernel("GatherElements", since=11)
+def gather_elements(ctx, node, data, indices):
+    axis = norm_axis(node.attrs.get("axis", 0), data.ndim)
+    indices = _fix_negative(ctx.xp, indices, data.shape[axis])
+    return ctx.xp.take_along_axis(data, indices, axis=axis)
+
+
+@kernel("GatherND", since=11)
+def gather_nd(ctx, node, data, indices):
+    xp = ctx.xp
+    b = node.attrs.get("batch_dims", 0)
+    k = indices.shape[-1]
+    indices = xp.where(indices < 0, indices + xp.asarray(data.shape[b:b + k], dtype=indices.dtype), indices)
+    batch_shape = data.shape[:b]
+    n_batch = int(np.prod(batch_shape, dtype=np.int64))
+    flat_data = data.reshape((n_batch,) + data.shape[b:])
+    flat_idx = indices.reshape((n_batch, -1, k))
+    out = []
+    for i in range(n_batch):
+        cols = tuple(flat_idx[i, :, j] for j in range(k))
+        out.append(flat_data[i][cols])
+    result = xp.stack(out)
+    return result.reshape(indices.shape[:-1] + data.shape[b + k:])
+
+
+@kernel("ScatterND", since=11)
+def scatter_nd(ctx, node, data, indices, updates):
+    xp = ctx.xp
+    out = data.copy()
+    k = indices.shape[-1]
+    idx = indices.reshape(-1, k)
+    upd = updates.reshape((idx.shape[0],) + data.shape[k:])
+    reduction = node.attrs.get("reduction", "none")
+    cols = tuple(idx[:, j] for j in range(k))
+    if reduction == "none":
+        out[cols] = upd
+    else:
+        ufunc = {"add": xp.add, "mul": xp.multiply, "max": xp.maximum, "min": xp.minimum}[reduction]
+        ufunc.at(out, cols, upd)
+    return out
+
+
+@kernel("ScatterElements", since=11)
+def scatter_elements(ctx, node, data, indices, updates):
+    xp = ctx.xp
+    axis = norm_axis(node.attrs.get("axis", 0), data.ndim)
+    indices = _fix_negative(xp, indices, data.shape[axis])
+    out = data.copy()
+    grid = list(xp.indices(indices.shape, sparse=True))
+    grid[axis] = indices
+    reduction = node.attrs.get("reduction", "none")
+    if reduction == "none":
+        out[tuple(grid)] = updates
+    else:
+        ufunc = {"add": xp.add, "mul": xp.multiply, "max": xp.maximum, "min": xp.minimum}[reduction]
+        ufunc.at(out, tuple(grid), updates)
+    return out
+
+
+@kernel("OneHot", since=9)
+def one_hot(ctx, node, indices, depth, values):
+    xp = ctx.xp
+    depth = int(ctx.host_scalar(depth))
+    axis = node.attrs.get("axis", -1)
+    rank = indices.ndim + 1
+    axis = norm_axis(axis, rank)
+    idx = indices.astype(np.int64)
+    idx = xp.where(idx < 0, idx + depth, idx)
+    hot = xp.expand_dims(idx, axis) == xp.arange(depth).reshape([-1 if i == axis else 1 for i in range(rank)])
+    return xp.where(hot, values[1], values[0]).astype(values.dtype)
+
+
+@kernel("TopK", since=10)
+def top_k(ctx, node, x, k):
+    xp = ctx.xp
+    k = int(ctx.host_scalar(k))
+    axis = norm_axis(node.attrs.get("axis", -1), x.ndim)
+    largest = node.attrs.get("largest", 1)
+    # stable sort on the key keeps the lower index first among equal values
+    key = (~x if x.dtype.kind == "u" else -x) if largest else x
+    order = xp.argsort(key, axis=axis, kind="stable")
+    indices = xp.take(order, xp.arange(k), axis=axis)
+    return xp.take_along_axis(x, indices, axis=axis), indices.astype(np.int64)
+
+
+@kernel("NonZero", since=9)
+def non_zero(ctx, node, x):
+    return ctx.xp.stack(ctx.xp.nonzero(x)).astype(np.int64).reshape(x.ndim, -1)

@@ -1,0 +1,63 @@
+"""GEMM-class kernels: MatMul, Gemm, com.microsoft FusedMatMul (all through executor.gemm)."""
+
+from __future__ import annotations
+
+from .. import gemm
+from ..registry import MS_DOMAIN, kernel
+from ._util import compute_dtype
+
+
+@kernel("MatMul", gemm=True)
+def matmul(ctx, node, a, b):
+    return gemm.matmul(ctx, a, b)
+
+
+@kernel("Gemm", gemm=True)
+def gemm_op(ctx, node, a, b, c=None):
+    attrs = node.attrs
+    if attrs.get("transA", 0):
+        a = a.T
+    if attrs.get("transB", 0):
+        b = b.T
+    y = gemm.matmul(ctx, a, b)
+    alpha, beta = attrs.get("alpha", 1.0), attrs.get("beta", 1.0)
+    if alpha != 1.0:
+        y = y * y.dtype.type(alpha)
+    if c is not None and beta != 0.0:
+        y = y + (c if beta == 1.0 else c * c.dtype.type(beta))
+    return y.astype(a.dtype, copy=False)
+
+
+def fused_matmul_operand(x, trans_batch: int, trans: int):
+    """DESIGN 3.3: transBatch moves dim 0 just before the last dim, then trans swaps the
+    last two; both are ignored for rank-1 operands."""
+    if x.ndim < 2:
+        return x
+    if trans_batch and x.ndim > 2:
+        x = x.transpose(list(range(1, x.ndim - 1)) + [0, x.ndim - 1])
+    if trans:
+        x = x.swapaxes(-1, -2)
+    return x
+
+
+@kernel("FusedMatMul", domain=MS_DOMAIN, gemm=True)
+def fused_matmul(ctx, node, a, b):
+    attrs = node.attrs
+    a = fused_matmul_operand(a, attrs.get("transBatchA", 0), attrs.get("transA", 0))
+    b = fused_matmul_operand(b, attrs.get("transBatchB", 0), attrs.get("transB", 0))
+    y = gemm.matmul(ctx, a, b)
+    alpha = attrs.get("alpha", 1.0)
+    if alpha != 1.0:
+        y *= y.dtype.type(alpha)
+    return y
+
+
+@kernel("Einsum", since=12)
+def einsum(ctx, node, *xs):
+    # Not routed through the GEMM entry point: contractions of arbitrary shape; graphs
+    # that matter for the FP16 policy use MatMul/FusedMatMul.
+    ct = compute_dtype(xs[0].dtype)
+    if ct == xs[0].dtype:
+        return ctx.xp.einsum(node.attrs["equation"], *xs)
+    result = ctx.xp.einsum(node.attrs["equation"], *(x.astype(ct) for x in xs))
+    return result.astype(xs[0].dtype)

@@ -1,0 +1,132 @@
+"""Normalisation and probability layers: Softmax family, LayerNorm, BatchNorm, Dropout."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..registry import kernel
+from ._util import compute_dtype, norm_axis
+
+
+def softmax_over(xp, x, axes):
+    """Softmax of x over ``axes`` in x's compute dtype; one temporary, updated in place."""
+    ct = compute_dtype(x.dtype)
+    data = x if ct == x.dtype else x.astype(ct)
+    out = data - data.max(axis=axes, keepdims=True)
+    xp.exp(out, out=out)
+    out /= out.sum(axis=axes, keepdims=True)
+    return out if ct == x.dtype else out.astype(x.dtype)
+
+
+def log_softmax_over(xp, x, axes):
+    ct = compute_dtype(x.dtype)
+    data = x if ct == x.dtype else x.astype(ct)
+    out = data - data.max(axis=axes, keepdims=True)
+    out -= xp.log(xp.exp(out).sum(axis=axes, keepdims=True))
+    return out if ct == x.dtype else out.astype(x.dtype)
+
+
+def _hardmax_over(xp, x, axes):
+    # axes are contiguous and trailing-or-single: flatten them into one, first max wins
+    first, last = axes[0], axes[-1]
+    shape = x.shape[:first] + (-1,) + x.shape[last + 1:]
+    flat = x.reshape(shape)
+    winner = xp.expand_dims(xp.argmax(flat, axis=first), first)
+    out = xp.zeros_like(flat)
+    xp.put_along_axis(out, winner, 1, axis=first)
+    return out.reshape(x.shape)
+
+
+def coerced_axes(node, x, default_axis):
+    """Pre-13 semantics: the input is coerced to 2-D at ``axis``; reduce over axis..rank-1."""
+    axis = norm_axis(node.attrs.get("axis", default_axis), x.ndim)
+    return tuple(range(axis, x.ndim))
+
+
+def single_axis(node, x):
+    return (norm_axis(node.attrs.get("axis", -1), x.ndim),)
+
+
+for _op, _fn in (("Softmax", softmax_over), ("LogSoftmax", log_softmax_over), ("Hardmax", _hardmax_over)):
+    kernel(_op, until=12)(lambda ctx, node, x, _fn=_fn: _fn(ctx.xp, x, coerced_axes(node, x, 1)))
+    kernel(_op, since=13)(lambda ctx, node, x, _fn=_fn: _fn(ctx.xp, x, single_axis(node, x)))
+
+
+def layer_norm_stats(xp, x, axis, epsilon, stash_dtype):
+    axes = tuple(range(axis, x.ndim))
+    data = x.astype(stash_dtype, copy=False)
+    mean = data.mean(axis=axes, keepdims=True)
+    centered = data - mean
+    var = (centered * centered).mean(axis=axes, keepdims=True)
+    inv_std = 1.0 / xp.sqrt(var + epsilon)
+    return centered, mean, inv_std
+
+
+@kernel("LayerNormalization", since=17)
+def layer_normalization(ctx, node, x, scale, bias=None):
+    xp = ctx.xp
+    axis = norm_axis(node.attrs.get("axis", -1), x.ndim)
+    epsilon = node.attrs.get("epsilon", 1e-5)
+    stash = np.dtype(np.float32) if node.attrs.get("stash_type", 1) == 1 else x.dtype
+    stash = np.promote_types(stash, compute_dtype(x.dtype))
+    centered, mean, inv_std = layer_norm_stats(xp, x, axis, epsilon, stash)
+    y = centered * inv_std * scale
+    if bias is not None:
+        y += bias
+    return y.astype(x.dtype, copy=False), mean, inv_std
+
+
+@kernel("BatchNormalization", since=9)
+def batch_normalization(ctx, node, x, scale, bias, mean, var):
+    xp = ctx.xp
+    epsilon = node.attrs.get("epsilon", 1e-5)
+    channel_shape = (1, -1) + (1,) * (x.ndim - 2)
+    training = node.opset >= 14 and node.attrs.get("training_mode", 0) == 1
+    if training:
+        axes = (0,) + tuple(range(2, x.ndim))
+        batch_mean = x.mean(axis=axes)
+        batch_var = x.var(axis=axes)
+        momentum = node.attrs.get("momentum", 0.9)
+        use_mean, use_var = batch_mean, batch_var
+    else:
+        use_mean, use_var = mean, var
+    inv = (scale / xp.sqrt(use_var + epsilon)).reshape(channel_shape)
+    y = (x - use_mean.reshape(channel_shape)) * inv + bias.reshape(channel_shape)
+    y = y.astype(x.dtype, copy=False)
+    if not training:
+        return y
+    running_mean = (mean * momentum + batch_mean * (1 - momentum)).astype(mean.dtype)
+    running_var = (var * momentum + batch_var * (1 - momentum)).astype(var.dtype)
+    return y, running_mean, running_var
+
+
+@kernel("InstanceNormalization", since=6)
+def instance_normalization(ctx, node, x, scale, bias):
+    xp = ctx.xp
+    axes = tuple(range(2, x.ndim))
+    mean = x.mean(axis=axes, keepdims=True)
+    var = x.var(axis=axes, keepdims=True)
+    shape = (1, -1) + (1,) * (x.ndim - 2)
+    y = (x - mean) / xp.sqrt(var + node.attrs.get("epsilon", 1e-5))
+    return (y * scale.reshape(shape) + bias.reshape(shape)).astype(x.dtype, copy=False)
+
+
+def dropout(ctx, node, x, ratio: float, training: bool):
+    xp = ctx.xp
+    if not training or ratio == 0.0:
+        return x, xp.ones(x.shape, dtype=bool)
+    mask = ctx.uniform(x.shape, node.name, node.attrs.get("seed")) >= ratio
+    scale = 1.0 / (1.0 - ratio)
+    return (x * mask * scale).astype(x.dtype, copy=False), mask
+
+
+@kernel("Dropout", since=7, until=11)
+def dropout_attr(ctx, node, x):
+    return dropout(ctx, node, x, node.attrs.get("ratio", 0.5), ctx.training)
+
+
+@kernel("Dropout", since=12)
+def dropout_inputs(ctx, node, x, ratio=None, training_mode=None):
+    ratio = 0.5 if ratio is None else float(ctx.host_scalar(ratio))
+    training = ctx.training if training_mode is None else bool(ctx.host_scalar(training_mode))
+    return dropout(ctx, node, x, ratio, training)

@@ -1,0 +1,122 @@
+"""Reductions (axes as attribute before opset 13/18, as input after) and ArgMax/ArgMin."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..registry import kernel
+from ._util import compute_dtype, norm_axis
+
+
+def _axes(ctx, node, x, axes_input):
+    if axes_input is None or axes_input.size == 0:
+        if node.attrs.get("noop_with_empty_axes", 0):
+            return None  # identity
+        return tuple(range(x.ndim))
+    return tuple(norm_axis(a, x.ndim) for a in ctx.host_ints(axes_input))
+
+
+def _attr_axes(node, x):
+    axes = node.attrs.get("axes")
+    if axes is None or len(axes) == 0:
+        return tuple(range(x.ndim))
+    return tuple(norm_axis(a, x.ndim) for a in axes)
+
+
+def _lowest(x):
+    """Identity of max (used only for empty reductions; ONNX wants -inf / min value)."""
+    if x.size:
+        return None
+    if x.dtype == np.bool_:
+        return False
+    return -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
+
+
+def _highest(x):
+    if x.size:
+        return None
+    if x.dtype == np.bool_:
+        return True
+    return np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).max
+
+
+def reduce_sum(xp, x, axes, keepdims):
+    return xp.sum(x, axis=axes, keepdims=keepdims, dtype=x.dtype)
+
+
+def _float_reduce(fn):
+    def run(xp, x, axes, keepdims):
+        ct = compute_dtype(x.dtype)
+        data = x if ct == x.dtype else x.astype(ct)
+        return fn(xp, data, axes, keepdims).astype(x.dtype, copy=False)
+
+    return run
+
+
+_REDUCERS = {
+    "ReduceSum": (reduce_sum, 13),
+    "ReduceMean": (_float_reduce(lambda xp, x, a, k: xp.mean(x, axis=a, keepdims=k)), 18),
+    "ReduceMax": (lambda xp, x, a, k: xp.max(x, axis=a, keepdims=k, initial=_lowest(x)), 18),
+    "ReduceMin": (lambda xp, x, a, k: xp.min(x, axis=a, keepdims=k, initial=_highest(x)), 18),
+    "ReduceProd": (lambda xp, x, a, k: xp.prod(x, axis=a, keepdims=k, dtype=x.dtype), 18),
+    "ReduceL1": (lambda xp, x, a, k: xp.sum(xp.abs(x), axis=a, keepdims=k, dtype=x.dtype), 18),
+    "ReduceL2": (
+        _float_reduce(lambda xp, x, a, k: xp.sqrt(xp.sum(x * x, axis=a, keepdims=k))), 18),
+    "ReduceSumSquare": (lambda xp, x, a, k: xp.sum(x * x, axis=a, keepdims=k, dtype=x.dtype), 18),
+    "ReduceLogSum": (_float_reduce(lambda xp, x, a, k: xp.log(xp.sum(x, axis=a, keepdims=k))), 18),
+    "ReduceLogSumExp": (_float_reduce(
+        lambda xp, x, a, k: _logsumexp(xp, x, a, k)), 18),
+}
+
+
+def _logsumexp(xp, x, axes, keepdims):
+    peak = xp.max(x, axis=axes, keepdims=True, initial=_lowest(x))
+    peak = xp.where(xp.isfinite(peak), peak, 0)
+    result = xp.log(xp.sum(xp.exp(x - peak), axis=axes, keepdims=True)) + peak
+    return result if keepdims else xp.squeeze(result, axis=axes)
+
+
+def _empty_reduce(xp, fn, x, axes, keepdims):
+    if axes is None:
+        return x.copy()
+    return fn(xp, x, axes, bool(keepdims))
+
+
+def _attr_kernel(fn):
+    def run(ctx, node, x):
+        return _empty_reduce(ctx.xp, fn, x, _attr_axes(node, x), node.attrs.get("keepdims", 1))
+
+    return run
+
+
+def _input_kernel(fn):
+    def run(ctx, node, x, axes=None):
+        return _empty_reduce(ctx.xp, fn, x, _axes(ctx, node, x, axes), node.attrs.get("keepdims", 1))
+
+    return run
+
+
+for _name, (_fn, _switch) in _REDUCERS.items():
+    kernel(_name, until=_switch - 1)(_attr_kernel(_fn))
+    kernel(_name, since=_switch)(_input_kernel(_fn))
+
+
+def _arg(fn_name):
+    def run(ctx, node, x):
+        xp = ctx.xp
+        axis = norm_axis(node.attrs.get("axis", 0), x.ndim)
+        keepdims = node.attrs.get("keepdims", 1)
+        fn = getattr(xp, fn_name)
+        if node.attrs.get("select_last_index", 0):
+            flipped = xp.flip(x, axis=axis)
+            result = x.shape[axis] - 1 - fn(flipped, axis=axis)
+        else:
+            result = fn(x, axis=axis)
+        result = result.astype(np.int64)
+        return xp.expand_dims(result, axis) if keepdims else result
+
+    return run
+
+
+kernel("ArgMax")(_arg("argmax"))
+kernel("ArgMin")(_arg("argmin"))

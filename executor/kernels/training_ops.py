@@ -1,0 +1,214 @@
+"""com.microsoft ops of ONNX Runtime training graphs: YieldOp and the gradient kernels."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import FeedError
+from ..registry import MS_DOMAIN, kernel
+from ._util import compute_dtype, gelu_exact_grad, gelu_tanh_grad, norm_axis
+from .nn import coerced_axes, single_axis
+from .reduce import _axes, reduce_sum
+from .shape import slice_index, split_array, split_sizes
+
+
+def _ms(*op_types, **kw):
+    return kernel(*op_types, domain=MS_DOMAIN, **kw)
+
+
+@_ms("YieldOp")
+def yield_op(ctx, node, *module_outputs):
+    """Hands the module outputs' gradients over: caller-fed by output name, else ones."""
+    skipped = set(node.attrs.get("non_differentiable_outputs", []))
+    differentiable = [x for i, x in enumerate(module_outputs) if i not in skipped]
+    grads = []
+    for name, forward in zip(node.outputs, differentiable):
+        fed = ctx.yield_feeds.get(name)
+        if fed is None:
+            grads.append(ctx.xp.ones(forward.shape, dtype=forward.dtype))
+            continue
+        if tuple(fed.shape) != tuple(forward.shape) or fed.dtype != forward.dtype:
+            raise FeedError(
+                f"feed {name!r} (gradient handed to YieldOp) has shape {tuple(fed.shape)} "
+                f"{fed.dtype}; the module output is {tuple(forward.shape)} {forward.dtype}"
+            )
+        grads.append(fed)
+    return tuple(grads)
+
+
+def _softmax_grad(xp, dy, y, axes):
+    ct = compute_dtype(y.dtype)
+    y32, dy32 = y.astype(ct, copy=False), dy.astype(ct, copy=False)
+    dx = y32 * (dy32 - (y32 * dy32).sum(axis=axes, keepdims=True))
+    return dx.astype(y.dtype, copy=False)
+
+
+@_ms("SoftmaxGrad")
+def softmax_grad(ctx, node, dy, y):
+    return _softmax_grad(ctx.xp, dy, y, coerced_axes(node, y, 1))
+
+
+@_ms("SoftmaxGrad_13")
+def softmax_grad_13(ctx, node, dy, y):
+    return _softmax_grad(ctx.xp, dy, y, single_axis(node, y))
+
+
+def _log_softmax_grad(xp, dy, log_y, axes):
+    return (dy - xp.exp(log_y) * dy.sum(axis=axes, keepdims=True)).astype(dy.dtype, copy=False)
+
+
+@_ms("LogSoftmaxGrad")
+def log_softmax_grad(ctx, node, dy, log_y):
+    return _log_softmax_grad(ctx.xp, dy, log_y, coerced_axes(node, log_y, 1))
+
+
+@_ms("LogSoftmaxGrad_13")
+def log_softmax_grad_13(ctx, node, dy, log_y):
+    return _log_softmax_grad(ctx.xp, dy, log_y, single_axis(node, log_y))
+
+
+@_ms("GatherGrad")
+def gather_grad(ctx, node, shape, indices, dy):
+    xp = ctx.xp
+    shape = ctx.host_ints(shape)
+    axis = norm_axis(node.attrs.get("axis", 0), len(shape))
+    indices = xp.where(indices < 0, indices + shape[axis], indices)
+    dx = xp.zeros(shape, dtype=dy.dtype)
+    index = (slice(None),) * axis + (indices,)
+    if xp is np:
+        np.add.at(dx, index, dy)
+    else:
+        import cupyx  # noqa: PLC0415
+
+        cupyx.scatter_add(dx, index, dy)
+    return dx
+
+
+@_ms("SliceGrad")
+def slice_grad(ctx, node, dy, shape, starts, ends, axes=None, steps=None):
+    shape = ctx.host_ints(shape)
+    dx = ctx.xp.zeros(shape, dtype=dy.dtype)
+    index = slice_index(
+        shape, ctx.host_ints(starts), ctx.host_ints(ends),
+        None if axes is None else ctx.host_ints(axes),
+        None if steps is None else ctx.host_ints(steps),
+    )
+    dx[index] = dy
+    return dx
+
+
+@_ms("ConcatTraining")
+def concat_training(ctx, node, *xs):
+    xs = [x for x in xs if x is not None]
+    axis = norm_axis(node.attrs["axis"], xs[0].ndim)
+    lengths = ctx.xp.asarray(np.array([x.shape[axis] for x in xs], dtype=np.int64))
+    return ctx.xp.concatenate(xs, axis=axis), lengths
+
+
+@_ms("SplitTraining")
+def split_training(ctx, node, x, split):
+    axis = norm_axis(node.attrs.get("axis", 0), x.ndim)
+    sizes = split_sizes(x.shape[axis], ctx.host_ints(split), node.num_outputs)
+    return split_array(ctx.xp, x, axis, sizes)
+
+
+@_ms("ReduceSumTraining")
+def reduce_sum_training(ctx, node, x, axes):
+    reduce_axes = _axes(ctx, node, x, axes)
+    if reduce_axes is None:
+        return x.copy()
+    return reduce_sum(ctx.xp, x, reduce_axes, bool(node.attrs.get("keepdims", 1)))
+
+
+@_ms("BroadcastGradientArgs")
+def broadcast_gradient_args(ctx, node, a_shape, b_shape):
+    """Output axes along which each operand was broadcast (to be summed in its gradient)."""
+    a, b = ctx.host_ints(a_shape), ctx.host_ints(b_shape)
+    rank = max(len(a), len(b))
+    a_full, b_full = [1] * (rank - len(a)) + a, [1] * (rank - len(b)) + b
+    a_axes, b_axes = [], []
+    for i, (da, db) in enumerate(zip(a_full, b_full)):
+        out = max(da, db)
+        if i < rank - len(a) or (da == 1 and out != 1):
+            a_axes.append(i)
+        if i < rank - len(b) or (db == 1 and out != 1):
+            b_axes.append(i)
+    to_dev = ctx.backend.to_device
+    return to_dev(np.array(a_axes, dtype=np.int64)), to_dev(np.array(b_axes, dtype=np.int64))
+
+
+# ---- activation gradients ------------------------------------------------------------
+def _with_dtype(fn, dy, x, *extra):
+    ct = compute_dtype(x.dtype)
+    args = [a.astype(ct, copy=False) for a in (dy, x) + extra]
+    return fn(*args).astype(x.dtype, copy=False)
+
+
+@_ms("ReluGrad")
+def relu_grad(ctx, node, dy, x):
+    return ctx.xp.where(x > 0, dy, 0).astype(dy.dtype, copy=False)
+
+
+@_ms("GeluGrad")
+def gelu_grad(ctx, node, dy, x):
+    return _with_dtype(lambda g, v: g * gelu_exact_grad(ctx.xp, v), dy, x)
+
+
+@_ms("FastGeluGrad")
+def fast_gelu_grad(ctx, node, dy, x):
+    return _with_dtype(lambda g, v: g * gelu_tanh_grad(ctx.xp, v), dy, x)
+
+
+@_ms("BiasGeluGrad_dX")
+def bias_gelu_grad_dx(ctx, node, dy, x, bias):
+    return _with_dtype(lambda g, v, b: g * gelu_exact_grad(ctx.xp, v + b), dy, x, bias)
+
+
+@_ms("BiasFastGeluGrad_dX")
+def bias_fast_gelu_grad_dx(ctx, node, dy, x, bias):
+    return _with_dtype(lambda g, v, b: g * gelu_tanh_grad(ctx.xp, v + b), dy, x, bias)
+
+
+@_ms("LayerNormalizationGrad")
+def layer_normalization_grad(ctx, node, dy, x, scale, mean, inv_std):
+    axis = norm_axis(node.attrs.get("axis", -1), x.ndim)
+    norm_axes = tuple(range(axis, x.ndim))
+    lead_axes = tuple(range(axis))
+    ct = np.promote_types(compute_dtype(x.dtype), mean.dtype)
+    dy_c, x_c, scale_c = (a.astype(ct, copy=False) for a in (dy, x, scale))
+    xhat = (x_c - mean) * inv_std
+    scale_grad = (dy_c * xhat).sum(axis=lead_axes).reshape(scale.shape)
+    bias_grad = dy_c.sum(axis=lead_axes).reshape(scale.shape)
+    dxhat = dy_c * scale_c
+    dx = inv_std * (
+        dxhat
+        - dxhat.mean(axis=norm_axes, keepdims=True)
+        - xhat * (dxhat * xhat).mean(axis=norm_axes, keepdims=True)
+    )
+    return (dx.astype(x.dtype, copy=False), scale_grad.astype(scale.dtype, copy=False),
+            bias_grad.astype(scale.dtype, copy=False))
+
+
+@_ms("DropoutGrad")
+def dropout_grad(ctx, node, dy, mask, ratio=None, training_mode=None):
+    training = False if training_mode is None else bool(ctx.host_scalar(training_mode))
+    ratio = 0.5 if ratio is None else float(ctx.host_scalar(ratio))
+    if not training or ratio == 0.0:
+        return dy
+    return (dy * mask * (1.0 / (1.0 - ratio))).astype(dy.dtype, copy=False)
+
+
+@_ms("InPlaceAccumulatorV2")
+def in_place_accumulator_v2(ctx, node, buffer, value, overwrite_flag=None):
+    """Returns (updated_flag, new buffer); the new buffer is a fresh array, not an alias."""
+    overwrite = overwrite_flag is not None and bool(ctx.host_scalar(overwrite_flag))
+    value = value.astype(buffer.dtype, copy=False)
+    updated = value.copy() if overwrite else buffer + value
+    return ctx.xp.ones((1,), dtype=bool), updated
+
+
+@_ms("Scale")
+def scale(ctx, node, x, factor):
+    factor = factor.astype(x.dtype).reshape(())
+    return x / factor if node.attrs.get("scale_down", 0) else x * factor
+

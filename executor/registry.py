@@ -1,0 +1,104 @@
+"""Kernel registry: (domain, op_type, opset range) -> kernel function.
+
+A kernel is ``fn(ctx, node, *inputs) -> array | tuple[array, ...]`` where ``ctx`` is the
+per-run KernelContext, ``node`` the PlannedNode (attributes already decoded) and ``inputs``
+the node's inputs in order, ``None`` for an omitted optional input. Kernels never mutate
+their inputs; they may mutate arrays they allocated themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+ONNX_DOMAIN = ""
+MS_DOMAIN = "com.microsoft"
+_DOMAIN_ALIASES = {"ai.onnx": ONNX_DOMAIN}
+LATEST = 10_000  # "no upper bound" on an opset range
+
+
+def normalize_domain(domain: str) -> str:
+    return _DOMAIN_ALIASES.get(domain, domain)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    domain: str
+    op_type: str
+    since: int
+    until: int
+    fn: Callable
+    gemm: bool  # routes its products through executor.gemm.matmul (FP16 policy applies)
+
+    @property
+    def opset_range(self) -> str:
+        return f"{self.since}+" if self.until >= LATEST else f"{self.since}-{self.until}"
+
+
+_REGISTRY: dict[tuple[str, str], list[KernelSpec]] = {}
+
+
+def kernel(
+    *op_types: str,
+    domain: str = ONNX_DOMAIN,
+    since: int = 1,
+    until: int = LATEST,
+    gemm: bool = False,
+) -> Callable[[Callable], Callable]:
+    """Register the decorated function for each op type over opsets [since, until]."""
+
+    def register(fn: Callable) -> Callable:
+        for op_type in op_types:
+            key = (normalize_domain(domain), op_type)
+            specs = _REGISTRY.setdefault(key, [])
+            for other in specs:
+                if other.since <= until and since <= other.until:
+                    raise ValueError(f"overlapping kernels for {key} opsets {since}-{until}")
+            specs.append(KernelSpec(key[0], op_type, since, until, fn, gemm))
+            specs.sort(key=lambda s: s.since)
+        return fn
+
+    return register
+
+
+def _ensure_loaded() -> None:
+    from . import kernels  # noqa: F401, PLC0415  (importing registers every family)
+
+
+def lookup(domain: str, op_type: str, opset: int) -> KernelSpec | None:
+    _ensure_loaded()
+    for spec in _REGISTRY.get((normalize_domain(domain), op_type), ()):
+        if spec.since <= opset <= spec.until:
+            return spec
+    return None
+
+
+def all_specs() -> list[KernelSpec]:
+    _ensure_loaded()
+    specs = [s for group in _REGISTRY.values() for s in group]
+    return sorted(specs, key=lambda s: (s.domain, s.op_type, s.since))
+
+
+def supported_op_types(domain: str = ONNX_DOMAIN) -> set[str]:
+    domain = normalize_domain(domain)
+    return {s.op_type for s in all_specs() if s.domain == domain}
+
+
+def supported_ops_markdown() -> str:
+    """The supported-op table, generated from the registry (one row per op type)."""
+    rows: dict[tuple[str, str], list[KernelSpec]] = {}
+    for spec in all_specs():
+        rows.setdefault((spec.domain, spec.op_type), []).append(spec)
+    lines = [
+        "| Domain | Op | Opsets | GEMM entry point |",
+        "|---|---|---|---|",
+    ]
+    for (domain, op_type), specs in rows.items():
+        ranges = ", ".join(s.opset_range for s in specs)
+        gemm = "yes" if any(s.gemm for s in specs) else ""
+        lines.append(f"| {domain or 'ai.onnx'} | {op_type} | {ranges} | {gemm} |")
+    counts = {}
+    for domain, _ in rows:
+        counts[domain or "ai.onnx"] = counts.get(domain or "ai.onnx", 0) + 1
+    summary = ", ".join(f"{n} {d}" for d, n in counts.items())
+    return "\n".join(lines) + f"\n\n{len(rows)} op types ({summary}).\n"

@@ -1,0 +1,266 @@
+"""Session: load a model, plan it once, run it many times on numpy or CuPy."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from .backend import select_backend
+from .context import KernelContext
+from .errors import ExecutorError, FeedError, KernelError, UnsupportedOpsError
+from .plan import Plan, PlannedNode, build_plan, decode_attributes, topological_order
+from .registry import MS_DOMAIN, lookup, normalize_domain
+
+Observer = Callable[[int, str, list[str]], None]
+
+
+def _load(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
+    if isinstance(model, onnx.ModelProto):
+        return model
+    try:
+        return onnx.load(os.fspath(model))
+    except (OSError, onnx.onnx_cpp2py_export.checker.ValidationError) as exc:
+        raise ExecutorError(f"cannot load model {os.fspath(model)!r}: {exc}") from exc
+
+
+def _value_type(value_info: onnx.ValueInfoProto) -> tuple[np.dtype | None, list | None]:
+    """(numpy dtype, dims) of a tensor value_info; a dim is an int, a symbol or None."""
+    if not value_info.type.HasField("tensor_type"):
+        return None, None
+    tensor_type = value_info.type.tensor_type
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type) if tensor_type.elem_type else None
+    if not tensor_type.HasField("shape"):
+        return dtype, None
+    dims = []
+    for dim in tensor_type.shape.dim:
+        if dim.HasField("dim_value"):
+            dims.append(dim.dim_value)
+        elif dim.HasField("dim_param"):
+            dims.append(dim.dim_param)
+        else:
+            dims.append(None)
+    return np.dtype(dtype) if dtype is not None else None, dims
+
+
+class Session:
+    """Runs an ONNX model (inference or an ORTModule-style training graph).
+
+    ``model`` is a path or an ``onnx.ModelProto``. ``device`` is ``"auto"`` (CuPy when CuPy
+    and a GPU are present, else NumPy), ``"cpu"``, ``"cuda"`` or ``"rocm"``; an unavailable
+    GPU device raises a DeviceUnavailableError subclass saying what is missing.
+    ``numerics`` is an optional FP16 policy object (``.matmul(a, b, op=...)``,
+    ``.backward_pass()`` context manager, ``.current_node`` attribute) that every GEMM goes
+    through. ``training`` is the Dropout mode for Dropout nodes that do not carry a
+    ``training_mode`` input; ``seed`` seeds Dropout masks.
+
+    Unsupported op types are reported here, all at once, before anything runs.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | onnx.ModelProto,
+        device: str = "auto",
+        numerics: Any = None,
+        *,
+        training: bool = False,
+        seed: int | None = None,
+    ):
+        self.model = _load(model)
+        self.backend = select_backend(device)
+        self.device = self.backend.device
+        self.numerics = numerics
+        self._ctx = KernelContext(self.backend, numerics, training, seed)
+        graph = self.model.graph
+        opsets = {normalize_domain(o.domain): o.version for o in self.model.opset_import}
+
+        nodes = []
+        for index, proto in enumerate(graph.node):
+            domain = normalize_domain(proto.domain)
+            nodes.append(
+                PlannedNode(
+                    index=index,
+                    name=proto.name or f"{proto.op_type}_{index}",
+                    op_type=proto.op_type,
+                    domain=domain,
+                    opset=opsets.get(domain, 1),
+                    inputs=tuple(proto.input),
+                    outputs=tuple(proto.output),
+                    attrs=decode_attributes(proto),
+                )
+            )
+        missing = []
+        for node in nodes:
+            node.spec = lookup(node.domain, node.op_type, node.opset)
+            if node.spec is None:
+                missing.append((node.name, node.domain, node.op_type, node.opset))
+        if missing:
+            raise UnsupportedOpsError(missing)
+
+        self._initializers = {
+            init.name: self.backend.to_device(numpy_helper.to_array(init))
+            for init in graph.initializer
+        }
+        self._input_types = {
+            vi.name: _value_type(vi) for vi in graph.input if vi.name not in self._initializers
+        }
+        self._overridable = {vi.name for vi in graph.input if vi.name in self._initializers}
+        self.input_names = list(self._input_types)
+        self.output_names = [vi.name for vi in graph.output]
+        self.yield_output_names = [
+            out for n in nodes if n.domain == MS_DOMAIN and n.op_type == "YieldOp"
+            for out in n.outputs if out
+        ]
+        self._known_types = {vi.name: _value_type(vi) for vi in graph.value_info}
+        self._known_types.update({vi.name: _value_type(vi) for vi in graph.output})
+        self._available = list(self._input_types) + [
+            n for n in self._initializers if n not in self._input_types
+        ]
+        self._ordered = topological_order(nodes, self._available)
+        self._plans: dict[tuple[str, ...], Plan] = {}
+        self.plan()  # plan the graph outputs now: model errors surface at construction
+
+    # -- planning -----------------------------------------------------------------------
+    def plan(self, output_names: Sequence[str] | None = None) -> Plan:
+        """The (cached) plan computing ``output_names`` (graph outputs by default)."""
+        fetches = tuple(output_names) if output_names is not None else tuple(self.output_names)
+        plan = self._plans.get(fetches)
+        if plan is None:
+            plan = build_plan(self._ordered, self._available, fetches)
+            self._plans[fetches] = plan
+        return plan
+
+    # -- feeds ----------------------------------------------------------------------------
+    def _check_feeds(self, feeds: Mapping[str, Any], plan: Plan) -> dict[str, Any]:
+        allowed = set(self._input_types) | self._overridable | set(self.yield_output_names)
+        unknown = sorted(set(feeds) - allowed)
+        if unknown:
+            raise FeedError(
+                f"unknown feed name(s) {unknown}; the model's inputs are {self.input_names}"
+                + (f" and YieldOp gradients {self.yield_output_names}" if self.yield_output_names else "")
+            )
+        needed_inputs = [n for n in self._input_types if plan.last_use.get(n, -1) >= 0 or n in plan.fetches]
+        missing = [n for n in needed_inputs if n not in feeds]
+        if missing:
+            raise FeedError(f"missing feed(s) for graph input(s) {missing}")
+
+        checked: dict[str, Any] = {}
+        symbols: dict[str, tuple[int, str]] = {}
+        for name, value in feeds.items():
+            array = value if hasattr(value, "dtype") and hasattr(value, "shape") else np.asarray(value)
+            expected_dtype, dims = self._input_types.get(name) or self._known_types.get(name) or (None, None)
+            if name in self._overridable:
+                reference = self._initializers[name]
+                expected_dtype, dims = reference.dtype, list(reference.shape)
+            if expected_dtype is not None and array.dtype != expected_dtype:
+                raise FeedError(
+                    f"feed {name!r} has dtype {array.dtype}, the graph declares {expected_dtype}"
+                )
+            if dims is not None:
+                if array.ndim != len(dims):
+                    raise FeedError(
+                        f"feed {name!r} has shape {tuple(array.shape)} (rank {array.ndim}), "
+                        f"the graph declares rank {len(dims)} {dims}"
+                    )
+                for axis, (size, dim) in enumerate(zip(array.shape, dims)):
+                    if isinstance(dim, int) and size != dim:
+                        raise FeedError(
+                            f"feed {name!r} has shape {tuple(array.shape)}, the graph declares "
+                            f"{dims} (axis {axis} must be {dim})"
+                        )
+                    if isinstance(dim, str) and dim:
+                        seen = symbols.setdefault(dim, (size, name))
+                        if seen[0] != size:
+                            raise FeedError(
+                                f"feed {name!r} binds dimension {dim!r} to {size} but feed "
+                                f"{seen[1]!r} bound it to {seen[0]}"
+                            )
+            checked[name] = self.backend.to_device(array)
+        return checked
+
+    # -- running ------------------------------------------------------------------------
+    def run(
+        self,
+        feeds: Mapping[str, Any],
+        output_names: Sequence[str] | None = None,
+        *,
+        observer: Observer | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Run the graph and return ``{name: numpy array}`` for ``output_names``.
+
+        ``output_names`` defaults to the graph outputs and may name any tensor of the graph
+        (intermediates included, for debugging); only the nodes they need are run.
+        ``feeds`` maps graph input names to arrays; for a training graph it may also map
+        YieldOp output names to the gradients of the module outputs (defaults: ones).
+        Feeds are validated (names, dtypes, static and symbolic dims) before any node runs.
+        ``observer(step, node_name, live_tensor_names)`` is called after each step, once
+        the dead tensors are released (for memory debugging).
+        """
+        plan = self.plan(output_names)
+        checked = self._check_feeds(feeds, plan)
+        values: list[Any] = [None] * plan.num_slots
+        for name, slot in plan.slot_of.items():
+            if plan.last_use[name] >= 0 or name in plan.fetches:
+                if name in checked:
+                    values[slot] = checked[name]
+                elif name in self._initializers:
+                    values[slot] = self._initializers[name]
+        ctx = self._ctx
+        ctx.yield_feeds = {n: v for n, v in checked.items() if n in self.yield_output_names}
+        numerics = self.numerics
+        names_by_slot = plan.names_by_slot if observer is not None else None
+        try:
+            for index, step in enumerate(plan.steps):
+                args = [values[s] if s >= 0 else None for s in step.in_slots]
+                try:
+                    if numerics is None:
+                        result = step.fn(ctx, step.node, *args)
+                    else:
+                        result = self._run_with_numerics(step, args)
+                except ExecutorError:
+                    raise
+                except Exception as exc:
+                    raise KernelError(f"node {step.node.label()} failed: {exc}") from exc
+                self._store(step, result, values)
+                for slot in step.release:
+                    values[slot] = None
+                if observer is not None:
+                    live = [names_by_slot[s] for s, v in enumerate(values) if v is not None]
+                    observer(index, step.node.name, live)
+        finally:
+            ctx.yield_feeds = {}
+        return {name: self.backend.to_host(values[plan.slot_of[name]]) for name in plan.fetches}
+
+    def _run_with_numerics(self, step, args):
+        numerics = self.numerics
+        if step.gemm:
+            try:
+                numerics.current_node = step.node.name
+            except AttributeError:  # a policy object that does not track nodes
+                pass
+        guard = (
+            numerics.backward_pass()
+            if step.backward and hasattr(numerics, "backward_pass")
+            else contextlib.nullcontext()
+        )
+        with guard:
+            return step.fn(self._ctx, step.node, *args)
+
+    @staticmethod
+    def _store(step, result, values) -> None:
+        if isinstance(result, (tuple, list)):
+            if len(result) < len(step.out_slots) and any(s >= 0 for s in step.out_slots[len(result):]):
+                raise KernelError(
+                    f"node {step.node.label()} produced {len(result)} outputs, "
+                    f"the graph uses {len(step.out_slots)}"
+                )
+            for slot, value in zip(step.out_slots, result):
+                if slot >= 0:
+                    values[slot] = value
+        else:
+            values[step.out_slots[0]] = result
