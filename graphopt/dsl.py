@@ -88,6 +88,11 @@ class _OpBuilder:
     def __getattr__(self, op_type: str):
         if op_type.startswith("_"):
             raise AttributeError(op_type)
+        builder = self._builder(op_type)
+        setattr(self, op_type, builder)  # later lookups skip __getattr__
+        return builder
+
+    def _builder(self, op_type: str):
 
         def build(*inputs, _name: str | None = None, _outputs: int = 1, **attrs):
             expr = OpExpr(op_type, self._domain, tuple(inputs), attrs, _name, _outputs,
@@ -104,9 +109,9 @@ class _OpBuilder:
 class _Ops(_OpBuilder):
     """``op.X`` builds a standard-domain op; ``op.ms.X`` a com.microsoft one."""
 
-    @property
-    def ms(self) -> _OpBuilder:
-        return _OpBuilder(MS_DOMAIN)
+    def __init__(self):
+        super().__init__(STANDARD_DOMAIN)
+        self.ms = _OpBuilder(MS_DOMAIN)
 
 
 op = _Ops()

@@ -296,13 +296,14 @@ class Rewriter:
         key = id(expr)
         if key not in self.built:
             inputs = ["" if i is None else self._value(i) for i in expr.inputs]
-            name = self.model.names.fresh(self._name_hint(expr.op_type))
-            outputs = [self.model.names.fresh(f"{name}_output_{i}")
-                       for i in range(expr.n_outputs)]
-            node = onnx.NodeProto(op_type=expr.op_type, domain=expr.domain, name=name,
-                                  input=inputs, output=outputs,
-                                  attribute=[_attribute(k, v) for k, v in expr.attrs.items()
-                                             if v is not None])
+            names = self.model.names
+            name = names.fresh(self._name_hint(expr.op_type))
+            outputs = [names.fresh(f"{name}_output_{i}") for i in range(expr.n_outputs)]
+            node = onnx.NodeProto()
+            node.CopyFrom(_node_template(expr.op_type, expr.domain, expr.attrs))
+            node.name = name
+            node.input.extend(inputs)
+            node.output.extend(outputs)
             if expr.domain:
                 self.domains.add(expr.domain)
             self.new_nodes.append(node)
@@ -391,20 +392,24 @@ class Rewriter:
                                       f"{_type_str(old)} to {_type_str(type_proto)}")
 
 
-_ATTRIBUTE_CACHE: dict = {}
+_TEMPLATES: dict = {}
 
 
-def _attribute(name: str, value) -> onnx.AttributeProto:
-    """AttributeProtos are immutable once built, so equal ones are shared (rules create the
-    same flags over and over)."""
+def _node_template(op_type: str, domain: str, attrs: dict) -> onnx.NodeProto:
+    """A node with these attributes and no name or edges; rules create the same kinds of
+    node over and over, and copying a template is several times cheaper than building."""
     try:
-        key = (name, value if not isinstance(value, list) else tuple(value), type(value))
-        cached = _ATTRIBUTE_CACHE.get(key)
-    except TypeError:  # unhashable (tensor, graph): build it each time
-        return onnx.helper.make_attribute(name, value)
-    if cached is None:
-        cached = _ATTRIBUTE_CACHE[key] = onnx.helper.make_attribute(name, value)
-    return cached
+        key = (op_type, domain, tuple((k, tuple(v) if isinstance(v, list) else v, type(v))
+                                      for k, v in attrs.items()))
+        template = _TEMPLATES.get(key)
+    except TypeError:  # an unhashable attribute value (tensor, graph): no caching
+        key, template = None, None
+    if template is None:
+        template = onnx.helper.make_node(op_type, [], [], domain=domain or None,
+                                         **{k: v for k, v in attrs.items() if v is not None})
+        if key is not None and len(_TEMPLATES) < 4096:
+            _TEMPLATES[key] = template
+    return template
 
 
 def _compatible(old: onnx.TypeProto, new: onnx.TypeProto) -> bool:

@@ -31,6 +31,19 @@ def get_attr(node: onnx.NodeProto, name: str, default=None):
     return default
 
 
+_GRAPH_ATTRIBUTE_TYPES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+
+
+_FLAT_STANDARD_DOMAINS = ("", "ai.onnx")
+_CONTROL_FLOW = frozenset({"If", "Loop", "Scan", "SequenceMap"})
+
+
+def has_subgraphs(node: onnx.NodeProto) -> bool:
+    if node.domain in _FLAT_STANDARD_DOMAINS and node.op_type not in _CONTROL_FLOW:
+        return False  # only control flow carries graphs in these domains
+    return any(a.type in _GRAPH_ATTRIBUTE_TYPES for a in node.attribute)
+
+
 def subgraphs_of(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
     for attr in node.attribute:
         if attr.type == onnx.AttributeProto.GRAPH:
@@ -211,7 +224,8 @@ class Graph:
         for name in node.input:
             if name:
                 self.consumers.setdefault(name, {})[node_id] = None
-        implicit = [n for sub in subgraphs_of(node) for n in free_variables(sub)]
+        implicit = node.attribute and has_subgraphs(node) and [
+            n for sub in subgraphs_of(node) for n in free_variables(sub)]
         if implicit:
             self._implicit[node_id] = implicit
             for name in implicit:
@@ -369,6 +383,7 @@ class Model:
 
         self.proto = proto
         self.path = path
+        self._opsets: dict[str, int] | None = None
         self.base_dir = os.path.dirname(os.path.abspath(path)) if path else ""
         self.names = NameGenerator(_all_names(proto.graph))
         self.graph = Graph(proto.graph, self)
@@ -377,7 +392,10 @@ class Model:
 
     @property
     def opsets(self) -> dict[str, int]:
-        return {normalize_domain(o.domain): o.version for o in self.proto.opset_import}
+        if self._opsets is None:
+            self._opsets = {normalize_domain(o.domain): o.version
+                            for o in self.proto.opset_import}
+        return self._opsets
 
     def opset(self, domain: str = STANDARD_DOMAIN) -> int | None:
         return self.opsets.get(domain)
@@ -386,6 +404,7 @@ class Model:
         if domain in self.opsets:
             return False
         self.proto.opset_import.append(onnx.helper.make_opsetid(domain, version))
+        self._opsets = None
         return True
 
     def graphs(self) -> Iterator[Graph]:

@@ -22,9 +22,21 @@ class Miss:
         return self.fmt.format(*self.args)
 
 
-def _node_label(graph: Graph, node_id: int) -> str:
-    node = graph.nodes[node_id]
-    return f"{node.op_type} '{node.name}'" if node.name else f"{node.op_type} (unnamed)"
+class _NodeLabel:
+    """A node's name for a Miss, formatted only if the Miss is ever shown."""
+
+    __slots__ = ("node",)
+
+    def __init__(self, node: onnx.NodeProto):
+        self.node = node
+
+    def __str__(self) -> str:
+        node = self.node
+        return f"{node.op_type} '{node.name}'" if node.name else f"{node.op_type} (unnamed)"
+
+
+def _node_label(graph: Graph, node_id: int) -> _NodeLabel:
+    return _NodeLabel(graph.nodes[node_id])
 
 
 def _same_attr(actual, expected) -> bool:

@@ -5,6 +5,8 @@ and then ``trans`` (swap the last two dims). A Transpose feeding it can be absor
 the Transpose followed by what the flags already do is one of those four permutations."""
 from __future__ import annotations
 
+from functools import lru_cache
+
 
 def flags_permutation(rank: int, trans: bool, trans_batch: bool) -> list[int]:
     perm = list(range(rank))
@@ -15,7 +17,8 @@ def flags_permutation(rank: int, trans: bool, trans_batch: bool) -> list[int]:
     return perm
 
 
-def absorb_transpose(perm: list[int], trans: bool, trans_batch: bool):
+@lru_cache(maxsize=1024)
+def absorb_transpose(perm: tuple[int, ...], trans: bool, trans_batch: bool):
     """Flags (trans, trans_batch) equal to Transpose(perm) then the current flags, or None."""
     rank = len(perm)
     current = flags_permutation(rank, trans, trans_batch)
@@ -27,10 +30,13 @@ def absorb_transpose(perm: list[int], trans: bool, trans_batch: bool):
     return None
 
 
+MATMUL_DEFAULTS = {"alpha": 1.0, "transA": 0, "transB": 0, "transBatchA": 0, "transBatchB": 0}
+
+
 def fused_attrs(node) -> dict:
     """The FusedMatMul attributes of a MatMul or FusedMatMul node, defaults filled in."""
     if node is None or node.op_type == "MatMul":
-        return {"alpha": 1.0, "transA": 0, "transB": 0, "transBatchA": 0, "transBatchB": 0}
+        return dict(MATMUL_DEFAULTS)
     return {"alpha": float(node.attr("alpha", 1.0)), "transA": int(node.attr("transA", 0)),
             "transB": int(node.attr("transB", 0)),
             "transBatchA": int(node.attr("transBatchA", 0)),

@@ -20,7 +20,7 @@ def fuse(m):
         perm = transpose.attr("perm")
         if perm is None:
             return "Transpose has no perm (reverses all dims; rank unknown)"
-        flags = absorb_transpose(list(perm), bool(attrs["trans" + side]),
+        flags = absorb_transpose(tuple(perm), bool(attrs["trans" + side]),
                                  bool(attrs["transBatch" + side]))
         if flags is None:
             return f"Transpose perm {list(perm)} is not expressible by FusedMatMul flags"

@@ -1,0 +1,63 @@
+"""MatMul/FusedMatMul scaled by a scalar constant (Mul or Div, before or after) ->
+FusedMatMul with that factor folded into alpha (attention's 1/sqrt(d) lands here)."""
+from graphopt.dsl import Rule, is_float, one_of, op, scalar_const, single_consumer, var
+
+from ._fused_matmul import fused_attrs
+
+a, b = var("a"), var("b")
+scale = scalar_const("scale", lambda v: v.ndim <= 1 and v.dtype.kind == "f",
+                     "scale is not a float scalar (rank <= 1)")
+
+
+def _bases(x, y):
+    return (op.MatMul(x, y, _name="base"), op.ms.FusedMatMul(x, y, _name="base"))
+
+
+def _scaled(x):
+    return (op.Mul(x, scale, _name="scaler"), op.Div(x, scale, _name="scaler"))
+
+
+def _alternatives():
+    for base in _bases(a, b):  # scale applied to the product
+        yield op.Mul(base, scale, _name="scaler")
+        yield op.Div(base, scale, _name="scaler")
+    for scaled in _scaled(a):  # scale applied to an input
+        yield from _bases(scaled, b)
+    for scaled in _scaled(b):
+        yield from _bases(a, scaled)
+
+
+def _product_scaled(m) -> bool:
+    return m.base.proto.output[0] in m.scaler.proto.input
+
+
+def _factor(m) -> float:
+    value = float(m.scale)
+    return 1.0 / value if m.scaler.op_type == "Div" else value
+
+
+def _divisor_nonzero(m):
+    return m.scaler.op_type != "Div" or float(m.scale) != 0.0 or "division by zero"
+
+
+def _base_exclusive(m):
+    # Fusing the scale into a product someone else also reads would compute it twice.
+    return single_consumer("base")(m) if _product_scaled(m) else True
+
+
+def fold_scale(m):
+    attrs = fused_attrs(m.base)
+    attrs["alpha"] = attrs["alpha"] * _factor(m)
+    return op.ms.FusedMatMul(m.a, m.b, **attrs)
+
+
+RULE = Rule(
+    name="matmul_scale_to_fused_matmul",
+    description="MatMul scaled by a scalar constant (Mul/Div, input or output) -> FusedMatMul(alpha)",
+    level=2,
+    tags=("fusion", "com.microsoft"),
+    match=one_of(*_alternatives()),
+    where=[is_float("a", "b", reason="FusedMatMul needs float inputs"), _divisor_nonzero,
+           _base_exclusive],
+    rewrite=fold_scale,
+)
