@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import argparse
 import platform
-import re
-import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -22,9 +19,11 @@ from onnx.reference import ReferenceEvaluator
 
 from graphopt.executor import Session
 
+from _common import interleaved_medians, write_section
+
 BATCH, SEQ, HIDDEN, HEADS = 8, 256, 1024, 16
 HEAD_DIM = HIDDEN // HEADS
-SECTION = "## Executor CPU (issue 4)"
+SECTION = "Executor CPU (issue 4)"
 
 
 def build_mqa_block() -> onnx.ModelProto:
@@ -67,20 +66,6 @@ def build_mqa_block() -> onnx.ModelProto:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     onnx.checker.check_model(model)
     return model
-
-
-def interleaved_medians(fns: dict, runs: int) -> dict:
-    """Median seconds per runtime, the runtimes taking turns within each round so that
-    load from other processes on a shared machine hits all of them alike."""
-    for fn in fns.values():
-        fn()  # warm-up
-    times = {name: [] for name in fns}
-    for _ in range(runs):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main(argv=None) -> int:
@@ -133,20 +118,8 @@ def main(argv=None) -> int:
     text = "\n".join(table)
     print(text)
     if not args.no_write:
-        write_section(Path(__file__).with_name("RESULTS.md"), text)
+        write_section(SECTION, text)
     return 0
-
-
-def write_section(path: Path, body: str) -> None:
-    """Replace (or append) this benchmark's section, leaving the others alone."""
-    existing = path.read_text() if path.exists() else "# Benchmark results\n"
-    section = f"{SECTION}\n\n{body}\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(existing):
-        updated = pattern.sub(lambda _: section + "\n", existing).rstrip() + "\n"
-    else:
-        updated = existing.rstrip() + "\n\n" + section
-    path.write_text(updated)
 
 
 if __name__ == "__main__":

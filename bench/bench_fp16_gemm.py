@@ -17,15 +17,14 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
-SECTION = "## FP16 GEMM on GPU (issue 5)"
+from _common import RESULTS, write_section
+
+SECTION = "FP16 GEMM on GPU (issue 5)"
 TARGET_RATIO = 0.85
 
 
@@ -105,17 +104,6 @@ def format_gpu_table(header, fp16_out, rows):
     return "\n".join(lines)
 
 
-def write_section(body: str) -> None:
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    section = f"{SECTION}\n\n{body}\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip() + "\n"
-    else:
-        text = text.rstrip() + "\n\n" + section
-    RESULTS.write_text(text)
-
-
 # -- CPU -------------------------------------------------------------------------------
 
 
@@ -184,10 +172,10 @@ def main(argv=None) -> int:
     if result is None:
         return 0
     table = format_gpu_table(*result)
-    print(SECTION)
+    print(f"## {SECTION}")
     print(table)
     if not args.no_write:
-        write_section(table)
+        write_section(SECTION, table)
         print(f"\nwritten to {RESULTS}")
     return 0
 

@@ -202,62 +202,65 @@ class Rewriter:
         self.new_nodes: list[onnx.NodeProto] = []
         self.built: dict[int, list[str]] = {}
         self.domains: set[str] = set()
+        self.keep_names: dict[tuple[int, int], str] = {}
 
     def apply(self, result) -> list[int]:
         graph = self.graph
+        nodes, producer, consumers = graph.nodes, graph.producer, graph.consumers
         mapping = self._mapping(result)
-        roots = list(dict.fromkeys(graph.producer[old] for old in mapping))
+        roots = list(dict.fromkeys(producer[old] for old in mapping))
         if len(roots) > 1:
             roots.sort(key=graph.order.__getitem__)
         for root in roots:
-            for out in graph.nodes[root].output:
-                if out and out not in mapping and (graph.consumers.get(out) or
-                                                   graph.is_output(out)):
-                    raise RewriteRejected(f"output '{out}' of {graph.nodes[root].op_type} "
+            for out in nodes[root].output:
+                if out and out not in mapping and (out in consumers or graph.is_output(out)):
+                    raise RewriteRejected(f"output '{out}' of {nodes[root].op_type} "
                                           "would be left without a producer")
+        for old, expr in mapping.items():
+            # A new tensor takes the name of the tensor it replaces: graph outputs survive
+            # and the consumers downstream need no rewiring.
+            key = _output_key(expr)
+            if key is not None and key not in self.keep_names:
+                self.keep_names[key] = old
         targets = {old: self._value(expr) for old, expr in mapping.items()}
-        sticky = [a for a in STICKY_ATTRIBUTES
-                  if all(get_attr(graph.nodes[r], a) is not None for r in roots)]
-        sticky_attrs = [next(x for x in graph.nodes[roots[0]].attribute if x.name == a)
-                        for a in sticky]
-        renamed = self._keep_original_names(targets)
+        sticky = [attr for attr in nodes[roots[0]].attribute if attr.name in STICKY_ATTRIBUTES
+                  and all(get_attr(nodes[r], attr.name) is not None for r in roots[1:])]
         base = graph.order[roots[0]]
         removed_inputs = []
         for root in roots:
-            removed_inputs.extend(graph.nodes[root].input)
+            removed_inputs.extend(nodes[root].input)
             graph.remove_node(root)
         for old, new in targets.items():
-            if old in renamed:
+            if new == old:
                 continue
             if graph.is_output(old):
                 self.new_nodes.append(onnx.helper.make_node(
                     "Identity", [new], [old], name=self.model.names.fresh(f"{old}/Identity")))
             else:
                 for consumer in graph.consumers_of(old):
-                    node = graph.nodes[consumer]
-                    for i, name in enumerate(node.input):
+                    for i, name in enumerate(nodes[consumer].input):
                         if name == old:
                             graph.replace_input(consumer, i, new)
         new_ids = []
         for i, node in enumerate(self.new_nodes):
-            for attr in sticky_attrs:
-                node.attribute.append(attr)
+            if sticky:
+                node.attribute.extend(sticky)
             new_ids.append(graph.add_node(node, base + (i,)))
         self._check(new_ids, targets)
         dead = graph.remove_dead(removed_inputs)
         for domain in self.domains:
             self.model.ensure_opset(domain, 1)
-        touched = set(new_ids)
+        touched = dict.fromkeys(new_ids)
         for node_id in new_ids:
-            node = graph.nodes[node_id]
+            node = nodes[node_id]
             for name in node.input:
-                if name in graph.producer:
-                    touched.add(graph.producer[name])
-                touched.update(graph.consumers.get(name, ()))
+                if name in producer:
+                    touched[producer[name]] = None
+                touched.update(consumers.get(name, ()))
             for name in node.output:
-                touched.update(graph.consumers.get(name, ()))
+                touched.update(consumers.get(name, ()))
         for name in dead:
-            touched.update(graph.consumers.get(name, ()))
+            touched.update(consumers.get(name, ()))
         return list(touched)
 
     # ---- building the replacement ------------------------------------------------------
@@ -298,7 +301,8 @@ class Rewriter:
             inputs = ["" if i is None else self._value(i) for i in expr.inputs]
             names = self.model.names
             name = names.fresh(self._name_hint(expr.op_type))
-            outputs = [names.fresh(f"{name}_output_{i}") for i in range(expr.n_outputs)]
+            outputs = [self.keep_names.get((key, i)) or names.fresh(f"{name}_output_{i}")
+                       for i in range(expr.n_outputs)]
             node = onnx.NodeProto()
             node.CopyFrom(_node_template(expr.op_type, expr.domain, expr.attrs))
             node.name = name
@@ -314,26 +318,6 @@ class Rewriter:
         root = self.graph.nodes.get(self.match.roots[0])
         stem = root.name if root is not None and root.name else self.rule.name
         return f"{stem}/{op_type}"
-
-    def _keep_original_names(self, targets: dict[str, str]) -> set[str]:
-        """New tensors take the names of the tensors they replace: graph outputs survive and
-        downstream consumers need no rewiring."""
-        produced = {out: node for node in self.new_nodes for out in node.output}
-        renamed = set()
-        for old, new in list(targets.items()):
-            node = produced.pop(new, None)
-            if node is None:
-                continue
-            for i, out in enumerate(node.output):
-                if out == new:
-                    node.output[i] = old
-            for other in self.new_nodes:
-                for i, name in enumerate(other.input):
-                    if name == new:
-                        other.input[i] = old
-            targets[old] = old
-            renamed.add(old)
-        return renamed
 
     # ---- checks and cleanup -----------------------------------------------------------
     def _check(self, new_ids: list[int], targets: dict[str, str]) -> None:
@@ -390,6 +374,14 @@ class Rewriter:
             elif not _compatible(old, type_proto):
                 raise RewriteRejected(f"'{out}' would change type/shape from "
                                       f"{_type_str(old)} to {_type_str(type_proto)}")
+
+
+def _output_key(expr) -> tuple[int, int] | None:
+    if isinstance(expr, OpExpr):
+        return id(expr), 0
+    if isinstance(expr, OpOutput):
+        return id(expr.op), expr.index
+    return None
 
 
 _TEMPLATES: dict = {}

@@ -24,23 +24,37 @@ def normalize_domain(domain: str) -> str:
     return STANDARD_DOMAIN if domain in ("", "ai.onnx") else domain
 
 
+_A = onnx.AttributeProto
+_SIMPLE_ATTRIBUTE_VALUE = {_A.INT: lambda a: a.i, _A.FLOAT: lambda a: a.f,
+                           _A.INTS: lambda a: list(a.ints), _A.FLOATS: lambda a: list(a.floats),
+                           _A.STRING: lambda a: a.s}
+
+
 def get_attr(node: onnx.NodeProto, name: str, default=None):
+    """An attribute's value as onnx.helper.get_attribute_value gives it (rules read
+    attributes in their hottest paths, so the common kinds skip the generic helper)."""
     for attr in node.attribute:
         if attr.name == name:
-            return onnx.helper.get_attribute_value(attr)
+            simple = _SIMPLE_ATTRIBUTE_VALUE.get(attr.type)
+            return simple(attr) if simple else onnx.helper.get_attribute_value(attr)
     return default
 
 
 _GRAPH_ATTRIBUTE_TYPES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 
 
-_FLAT_STANDARD_DOMAINS = ("", "ai.onnx")
-_CONTROL_FLOW = frozenset({"If", "Loop", "Scan", "SequenceMap"})
+# Ops of the standard and com.microsoft domains that carry subgraphs; no other op of those
+# domains does, which spares a scan of every node's attributes.
+_OPS_WITH_SUBGRAPHS = {"": frozenset({"If", "Loop", "Scan", "SequenceMap"}),
+                       "ai.onnx": frozenset({"If", "Loop", "Scan", "SequenceMap"}),
+                       MS_DOMAIN: frozenset({"BeamSearch", "GreedySearch", "Sampling",
+                                             "WhisperBeamSearch"})}
 
 
 def has_subgraphs(node: onnx.NodeProto) -> bool:
-    if node.domain in _FLAT_STANDARD_DOMAINS and node.op_type not in _CONTROL_FLOW:
-        return False  # only control flow carries graphs in these domains
+    known = _OPS_WITH_SUBGRAPHS.get(node.domain)
+    if known is not None:
+        return node.op_type in known
     return any(a.type in _GRAPH_ATTRIBUTE_TYPES for a in node.attribute)
 
 
@@ -216,20 +230,29 @@ class Graph:
         node_id = next(self._ids) if node_id is None else node_id
         self.nodes[node_id] = node
         self.order[node_id] = order
-        key = (normalize_domain(node.domain), node.op_type)
-        self.by_type.setdefault(key, {})[node_id] = None
+        domain = node.domain
+        key = (STANDARD_DOMAIN if domain == "ai.onnx" else domain, node.op_type)
+        by_type = self.by_type.get(key)
+        if by_type is None:
+            by_type = self.by_type[key] = {}
+        by_type[node_id] = None
+        producer, consumers = self.producer, self.consumers
         for name in node.output:
             if name:
-                self.producer[name] = node_id
+                producer[name] = node_id
         for name in node.input:
             if name:
-                self.consumers.setdefault(name, {})[node_id] = None
-        implicit = node.attribute and has_subgraphs(node) and [
-            n for sub in subgraphs_of(node) for n in free_variables(sub)]
-        if implicit:
-            self._implicit[node_id] = implicit
-            for name in implicit:
-                self.consumers.setdefault(name, {})[node_id] = None
+                users = consumers.get(name)
+                if users is None:
+                    consumers[name] = {node_id: None}
+                else:
+                    users[node_id] = None
+        if has_subgraphs(node):
+            implicit = [n for sub in subgraphs_of(node) for n in free_variables(sub)]
+            if implicit:
+                self._implicit[node_id] = implicit
+                for name in implicit:
+                    self.consumers.setdefault(name, {})[node_id] = None
         return node_id
 
     def _unindex(self, node_id: int) -> onnx.NodeProto:

@@ -25,6 +25,15 @@ def fuse(m):
         if flags is None:
             return f"Transpose perm {list(perm)} is not expressible by FusedMatMul flags"
         attrs["trans" + side], attrs["transBatch" + side] = int(flags[0]), int(flags[1])
+    if attrs["transBatchA"] or attrs["transBatchB"]:
+        # onnxruntime's FusedMatMul kernel refuses transBatch unless both inputs have the
+        # same rank >= 3 (matmul_helper.h: "Two inputs should have same rank and rank >= 3
+        # if transBatchA or transBatchB is true"), so such a fusion would fail at run time.
+        ranks = [None if t.shape is None else len(t.shape) for t in (m.a, m.b)]
+        if None in ranks or ranks[0] != ranks[1] or ranks[0] < 3:
+            shown = ", ".join("unknown" if r is None else str(r) for r in ranks)
+            return (f"transBatch needs both inputs of the same rank >= 3 (ranks {shown}); "
+                    "onnxruntime rejects anything else")
     return op.ms.FusedMatMul(m.a, m.b, **attrs)
 
 
