@@ -48,15 +48,29 @@ def _value_type(value_info: onnx.ValueInfoProto) -> tuple[np.dtype | None, list 
     return np.dtype(dtype) if dtype is not None else None, dims
 
 
+def _make_numerics(numerics, xp, fp16_policy, denormal_stats):
+    if numerics is None or not isinstance(numerics, str):
+        return numerics
+    from .numerics import Numerics
+
+    if numerics not in ("auto", "native", "mi200"):
+        raise ExecutorError(f"numerics must be 'auto', 'native' or 'mi200', not {numerics!r}")
+    return Numerics(None if numerics == "auto" else numerics, fp16_policy, xp=xp,
+                    collect_stats=denormal_stats)
+
+
 class Session:
     """Runs an ONNX model (inference or an ORTModule-style training graph).
 
     ``model`` is a path or an ``onnx.ModelProto``. ``device`` is ``"auto"`` (CuPy when CuPy
     and a GPU are present, else NumPy), ``"cpu"``, ``"cuda"`` or ``"rocm"``; an unavailable
     GPU device raises a DeviceUnavailableError subclass saying what is missing.
-    ``numerics`` is an optional FP16 policy object (``.matmul(a, b, op=...)``,
-    ``.backward_pass()`` context manager, ``.current_node`` attribute) that every GEMM goes
-    through. ``training`` is the Dropout mode for Dropout nodes that do not carry a
+    ``numerics`` decides FP16 GEMM/conv numerics (issue 5): ``"auto"`` (the device's own:
+    MI200 semantics on a real gfx90a, native elsewhere), ``"native"``, ``"mi200"`` (MI200
+    denormal flushing emulated bit-exactly), ``None`` (plain products, no FP16 policy), or a
+    ready object with ``.matmul(a, b, op=...)``, ``.backward_pass()`` and ``.current_node``.
+    ``fp16_policy`` overrides the environment variables (an ``Fp16Policy``);
+    ``denormal_stats`` counts FP16 denormals per node (``session.numerics.denormal_report()``). ``training`` is the Dropout mode for Dropout nodes that do not carry a
     ``training_mode`` input; ``seed`` seeds Dropout masks.
 
     Unsupported op types are reported here, all at once, before anything runs.
@@ -66,14 +80,17 @@ class Session:
         self,
         model: str | os.PathLike | onnx.ModelProto,
         device: str = "auto",
-        numerics: Any = None,
+        numerics: Any = "auto",
         *,
         training: bool = False,
         seed: int | None = None,
+        fp16_policy: Any = None,
+        denormal_stats: bool = False,
     ):
         self.model = _load(model)
         self.backend = select_backend(device)
         self.device = self.backend.device
+        numerics = _make_numerics(numerics, self.backend.xp, fp16_policy, denormal_stats)
         self.numerics = numerics
         self._ctx = KernelContext(self.backend, numerics, training, seed)
         graph = self.model.graph
