@@ -102,3 +102,16 @@ def supported_ops_markdown() -> str:
         counts[domain or "ai.onnx"] = counts.get(domain or "ai.onnx", 0) + 1
     summary = ", ".join(f"{n} {d}" for d, n in counts.items())
     return "\n".join(lines) + f"\n\n{len(rows)} op types ({summary}).\n"
+
+
+def supported_ops_compact() -> str:
+    """One paragraph per domain listing its op types (GEMM-class ones marked with *)."""
+    by_domain: dict[str, dict[str, bool]] = {}
+    for spec in all_specs():
+        ops = by_domain.setdefault(spec.domain or "ai.onnx", {})
+        ops[spec.op_type] = ops.get(spec.op_type, False) or bool(spec.gemm)
+    paragraphs = []
+    for domain, ops in by_domain.items():
+        names = ", ".join(f"{op}*" if gemm else op for op, gemm in sorted(ops.items()))
+        paragraphs.append(f"**{domain}** ({len(ops)}): {names}")
+    return "\n\n".join(paragraphs) + "\n"

@@ -1,0 +1,53 @@
+"""Project-level promises: docs generated from code are current, the wheel installs under one
+import name with every subpackage, the README quick start is what CI runs."""
+import configparser
+import pathlib
+import re
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_generated_docs_are_current():
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "update_docs.py"), "--check"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_source_package_is_declared_in_setup_cfg():
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    declared = set(config["options"]["packages"].split())
+    roots = {"graphopt": "graphopt", "rules": "graphopt.rules", "executor": "graphopt.executor"}
+    found = set()
+    for folder, name in roots.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            relative = init.parent.relative_to(ROOT / folder).parts
+            found.add(".".join((name, *relative)))
+    assert found <= declared, f"not in setup.cfg packages: {sorted(found - declared)}"
+
+
+def test_wheel_installs_under_one_import_name(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                             "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot build a wheel here: {result.stderr.strip()[-200:]}")
+    wheel = next(tmp_path.glob("graphopt-*.whl"))
+    tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"graphopt"}
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"graphopt/cli.py", "graphopt/rules/gather_slice_to_split.py",
+            "graphopt/executor/session.py"} <= names
+
+
+def test_readme_quick_start_is_two_commands_and_ci_runs_the_test_one():
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"## Quick start\n\n```sh\n(.*?)```", readme, re.S).group(1)
+    commands = [line for line in block.splitlines() if line.strip()]
+    assert len(commands) == 2
+    assert commands[1] in (ROOT / ".ci" / "run").read_text()
