@@ -6,7 +6,9 @@ streamed, in chunks, into one data file beside the output.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import re
 import tempfile
 
 import onnx
@@ -16,6 +18,7 @@ from .errors import GraphoptError
 from .ir import Model
 
 EXTERNAL_COPY_CHUNK = 64 << 20
+DIGEST_CHARS = 12
 
 
 def load(source, *, check: bool = True) -> Model:
@@ -135,29 +138,53 @@ def check_output_path(out: str, source: str | None, in_place: bool) -> None:
 
 
 def save(model: Model, out: str) -> None:
-    """Write atomically: temporary files in the output folder, fsync, then rename."""
+    """Write atomically: temporary files in the output folder, fsync, then rename.
+
+    External data goes to ``<out>.<digest>.data``, named after its content, and is renamed
+    into place before the model: a model file on disk only ever points at a complete data
+    file of its own, even if the save stops half-way. Data files of earlier saves to the same
+    path are removed once the new model is in place."""
     proto = model.flush()
     folder = os.path.dirname(os.path.abspath(out))
+    stem = os.path.basename(out)
     external = _external_tensors(proto)
-    data_name = os.path.basename(out) + ".data"
-    staged: list[tuple[str, str]] = []
+    staged: list[str] = []  # what to delete if the save fails
     try:
+        data_name = None
         if external:
-            proto = _stage_external_data(proto, external, model.base_dir, folder, data_name,
-                                         staged)
-        tmp = _temp_in(folder, os.path.basename(out))
-        staged.append((tmp, out))
+            proto, data_tmp, digest = _stage_external_data(proto, external, model.base_dir,
+                                                           folder, stem, staged)
+            data_name = f"{stem}.{digest}.data"
+            for tensor in _external_tensors(proto):
+                _set_external(tensor, location=data_name)
+            data_path = os.path.join(folder, data_name)
+            already_there = os.path.exists(data_path)  # same content: an earlier save's file
+            os.replace(data_tmp, data_path)
+            staged.remove(data_tmp)
+            if not already_there:
+                staged.append(data_path)
+        tmp = _temp_in(folder, stem)
+        staged.append(tmp)
         with open(tmp, "wb") as f:
             f.write(proto.SerializeToString())
             f.flush()
             os.fsync(f.fileno())
-        for tmp_path, final in staged:  # the model file is renamed last
-            os.replace(tmp_path, final)
+        os.replace(tmp, out)
+        staged.clear()
     except BaseException:
-        for tmp_path, _ in staged:
+        for tmp_path in staged:
             with contextlib.suppress(OSError):
                 os.unlink(tmp_path)
         raise
+    _remove_stale_data_files(folder, stem, keep=data_name)
+
+
+def _remove_stale_data_files(folder: str, stem: str, keep: str | None) -> None:
+    pattern = re.compile(rf"^{re.escape(stem)}\.[0-9a-f]{{{DIGEST_CHARS}}}\.data$")
+    for name in os.listdir(folder):
+        if name != keep and pattern.match(name):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(folder, name))
 
 
 def _temp_in(folder: str, stem: str) -> str:
@@ -166,13 +193,24 @@ def _temp_in(folder: str, stem: str) -> str:
     return tmp
 
 
-def _stage_external_data(proto, external, base_dir, folder, data_name, staged):
-    """Copy every external tensor's bytes, chunk by chunk, into one new data file."""
+def _set_external(tensor: onnx.TensorProto, **values: str) -> None:
+    entries = {e.key: e.value for e in tensor.external_data}
+    entries.update(values)
+    del tensor.external_data[:]
+    for key, value in entries.items():
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+
+
+def _stage_external_data(proto, external, base_dir, folder, stem, staged):
+    """Copy every external tensor's bytes, chunk by chunk, into one new temporary data file;
+    returns the rewritten proto, that file and a digest of its content."""
     out_proto = onnx.ModelProto()
     out_proto.CopyFrom(proto)
     tensors = {t.name: t for t in _external_tensors(out_proto)}
-    tmp = _temp_in(folder, data_name)
-    staged.append((tmp, os.path.join(folder, data_name)))
+    tmp = _temp_in(folder, stem + ".data")
+    staged.append(tmp)
+    digest = hashlib.sha256()
     with open(tmp, "wb") as dst:
         for source_tensor in external:
             info = _external_info(source_tensor)
@@ -180,8 +218,9 @@ def _stage_external_data(proto, external, base_dir, folder, data_name, staged):
             src_path = os.path.join(base_dir, info["location"])
             if not length:
                 length = os.path.getsize(src_path) - offset
-            pad = (-dst.tell()) % 4096
-            dst.write(b"\0" * pad)
+            pad = b"\0" * ((-dst.tell()) % 4096)
+            dst.write(pad)
+            digest.update(pad)
             new_offset = dst.tell()
             with open(src_path, "rb") as src:
                 src.seek(offset)
@@ -191,16 +230,13 @@ def _stage_external_data(proto, external, base_dir, folder, data_name, staged):
                     if not chunk:
                         raise GraphoptError(f"external data for '{source_tensor.name}' ends early")
                     dst.write(chunk)
+                    digest.update(chunk)
                     remaining -= len(chunk)
-            target = tensors[source_tensor.name]
-            del target.external_data[:]
-            for key, value in (("location", data_name), ("offset", str(new_offset)),
-                               ("length", str(length))):
-                entry = target.external_data.add()
-                entry.key, entry.value = key, value
+            _set_external(tensors[source_tensor.name], offset=str(new_offset),
+                          length=str(length))
         dst.flush()
         os.fsync(dst.fileno())
-    return out_proto
+    return out_proto, tmp, digest.hexdigest()[:DIGEST_CHARS]
 
 
 def write_text_atomic(path: str, text: str) -> None:

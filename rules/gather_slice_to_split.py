@@ -24,6 +24,8 @@ def _gather_piece(node, dim: int):
     index = _one_index(value)
     if index is None:
         return f"Gather '{node.name}' index is not a constant one-element int tensor"
+    if value.ndim > 1:  # a [1, 1] index adds a dimension that no Split piece has
+        return f"Gather '{node.name}' index has shape {list(value.shape)}, not scalar or [1]"
     index += dim if index < 0 else 0
     if not 0 <= index < dim:
         return f"Gather '{node.name}' index {index} is out of range for size {dim}"

@@ -1,0 +1,148 @@
+"""fold_constants: nodes computing small constants from constants -> initializers."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from conftest import assert_same_outputs, model_from_text, op_types
+from onnx import numpy_helper
+
+import graphopt
+
+PASS = "fold_constants"
+
+
+def run(model):
+    return graphopt.optimize(model, [PASS])
+
+
+def initializer(model, name):
+    (t,) = [t for t in model.graph.initializer if t.name == name]
+    return numpy_helper.to_array(t)
+
+
+def assert_second_run_changes_nothing(out):
+    again, report = run(out)
+    assert again.SerializeToString() == out.SerializeToString()
+    assert report.rules[PASS].rewrites == 0
+
+
+def test_unsqueeze_of_constants_becomes_an_initializer():
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,6,4] x) => (float[2,4,4] y) {
+          c0 = Constant <value = int64 {0}> ()
+          c4 = Constant <value = int64 {4}> ()
+          ax = Constant <value = int64[1] {0}> ()
+          s = Unsqueeze(c0, ax)
+          e = Unsqueeze(c4, ax)
+          one = Constant <value = int64[1] {1}> ()
+          y = Slice(x, s, e, one)
+        }""")
+    out, report = run(model)
+    assert op_types(out) == ["Constant", "Slice"]  # 'one' is a Constant node already
+    assert initializer(out, "s").tolist() == [0] and initializer(out, "e").tolist() == [4]
+    assert initializer(out, "s").dtype == np.int64
+    assert {t.name for t in out.graph.initializer} == {"s", "e"}  # c0, c4, ax are gone
+    assert report.rules[PASS].rewrites == 2
+    onnx.checker.check_model(out, full_check=True)
+    assert_same_outputs(model, out, atol=0, rtol=0)
+    assert_second_run_changes_nothing(out)
+
+
+def test_chain_of_constant_arithmetic_folds_to_one_value():
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[3] x) => (float[3] y) <float[3] a = {1.0, 2.0, 3.0}, float[3] b = {0.5, 0.5, 2.0}>
+        {
+          p = Mul(a, b)
+          q = Add(p, a)
+          y = Add(x, q)
+        }""")
+    out, _ = run(model)
+    assert op_types(out) == ["Add"]
+    np.testing.assert_array_equal(initializer(out, "q"), np.array([1.5, 3.0, 9.0], np.float32))
+    assert [t.name for t in out.graph.initializer] == ["q"]
+    assert_same_outputs(model, out, atol=0, rtol=0)
+    assert_second_run_changes_nothing(out)
+
+
+def test_node_reading_a_runtime_input_stays():
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[3] x) => (float[3] y) <float[3] a = {1.0, 2.0, 3.0}> {
+          y = Mul(x, a)
+        }""")
+    out, report = run(model)
+    assert out.SerializeToString() == model.SerializeToString()
+    assert report.rules[PASS].rewrites == 0
+
+
+def test_initializer_that_is_also_a_graph_input_is_not_a_constant():
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[3] x, float[3] a) => (float[3] y) <float[3] a = {1.0, 2.0, 3.0}> {
+          b = Neg(a)
+          y = Add(x, b)
+        }""")
+    out, _ = run(model)
+    assert out.SerializeToString() == model.SerializeToString()
+
+
+def test_node_producing_a_graph_output_stays():
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[3] x) => (float[3] y, float[3] k) <float[3] a = {1.0, 2.0, 3.0}> {
+          k = Neg(a)
+          y = Add(x, k)
+        }""")
+    out, _ = run(model)
+    assert out.SerializeToString() == model.SerializeToString()
+
+
+def test_large_results_are_not_folded():
+    """Folding Transpose(W) of a real weight would duplicate it: 4096 elements at most."""
+    w = numpy_helper.from_array(np.ones((64, 65), np.float32), "W")
+    small = numpy_helper.from_array(np.ones((64, 64), np.float32), "S")
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Transpose", ["W"], ["wt"], perm=[1, 0]),
+         onnx.helper.make_node("Add", ["x", "wt"], ["y"]),
+         onnx.helper.make_node("Transpose", ["S"], ["st"], perm=[1, 0]),
+         onnx.helper.make_node("Add", ["z", "st"], ["v"])], "g",
+        [onnx.helper.make_tensor_value_info("x", 1, [65, 64]),
+         onnx.helper.make_tensor_value_info("z", 1, [64, 64])],
+        [onnx.helper.make_tensor_value_info("y", 1, [65, 64]),
+         onnx.helper.make_tensor_value_info("v", 1, [64, 64])], initializer=[w, small])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    out, report = run(model)
+    assert op_types(out) == ["Transpose", "Add", "Add"]  # 4160 elements: kept; 4096: folded
+    assert {t.name for t in out.graph.initializer} == {"W", "st"}
+    assert report.rules[PASS].rewrites == 1
+    assert_same_outputs(model, out, atol=0, rtol=0)
+    assert_second_run_changes_nothing(out)
+
+
+def test_random_and_contrib_ops_are_not_folded():
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17, "com.microsoft" : 1]>
+        g (float[2,3] x) => (float[2,3] y, float[2,3] r)
+          <float[2,3] a = {1.0, 2.0, 3.0, 4.0, 5.0, 6.0}> {
+          r = RandomNormalLike(a)
+          g = com.microsoft.Gelu(a)
+          y = Add(x, g)
+        }""")
+    out, report = run(model)
+    assert out.SerializeToString() == model.SerializeToString()
+    assert report.rules[PASS].rewrites == 0
+
+
+def test_node_with_a_subgraph_is_not_folded():
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[1] x) => (float[1] y) <bool c = {1}, float[1] a = {1.0}> {
+          k = If (c) <then_branch = t () => (float[1] o) { o = Neg(a) },
+                      else_branch = e () => (float[1] o2) { o2 = Identity(a) }>
+          y = Add(x, k)
+        }""")
+    out, report = run(model)
+    assert out.SerializeToString() == model.SerializeToString()
+    assert report.rules[PASS].rewrites == 0
