@@ -19,6 +19,9 @@ from .types import Dim, TypeTable
 
 
 class Emitter:
+    """Builds the backward nodes of one training graph; gradient definitions reach it
+    through their context (``ctx.op``, ``ctx.sum_to``, ...)."""
+
     def __init__(self, names: NameGenerator, opset: int, types: TypeTable):
         self.names = names
         self.opset = opset
@@ -28,6 +31,8 @@ class Emitter:
         self.scope = "Grad"
         self._constants: dict[tuple, str] = {}
         self._shapes: dict[str, str] = {}
+        self._produced: set[str] = set()
+        self._renames: dict[str, str] = {}
 
     # ---- raw nodes and constants ------------------------------------------------------
     def op(self, op_type: str, *inputs: str | None, domain: str = "", outputs: int = 1,
@@ -40,6 +45,7 @@ class Emitter:
                                 domain=domain or None,
                                 **{k: v for k, v in attrs.items() if v is not None})
         self.nodes.append(node)
+        self._produced.update(out_names)
         return out_names[0] if outputs == 1 else out_names
 
     def ms(self, op_type: str, *inputs: str | None, outputs: int = 1, **attrs):
@@ -52,7 +58,7 @@ class Emitter:
         key = (value.dtype.str, value.shape, value.tobytes())
         name = self._constants.get(key)
         if name is None:
-            name = self.names.fresh(f"{self.scope}/{hint}")
+            name = self.names.fresh(f"Grad/{hint}")  # shared across nodes: no node scope
             self.initializers.append(numpy_helper.from_array(value, name))
             self._constants[key] = name
         return name
@@ -138,6 +144,46 @@ class Emitter:
         return self.reshape_like(reduced, target)
 
 
+    # ---- finishing ----------------------------------------------------------------------
+    def name_output(self, tensor: str, wanted: str) -> None:
+        """Make ``tensor`` available as ``wanted`` (a graph output name): rename it when this
+        emitter made it and nothing else took that route yet, else copy it with Identity
+        (a forward tensor, a YieldOp output, or a gradient shared by two parameters)."""
+        if tensor in self._produced and tensor not in self._renames:
+            self._renames[tensor] = wanted
+        else:
+            self.nodes.append(helper.make_node("Identity", [tensor], [wanted],
+                                               name=self.names.fresh(f"{wanted}/Identity")))
+
+    def live_nodes(self, outputs: Sequence[str]) -> list[onnx.NodeProto]:
+        """The emitted nodes ``outputs`` depend on, renames applied, in emission order
+        (which is topological: a node is emitted after the nodes it reads)."""
+        for node in self.nodes:
+            for i, name in enumerate(node.input):
+                node.input[i] = self._renames.get(name, name)
+            for i, name in enumerate(node.output):
+                node.output[i] = self._renames.get(name, name)
+        producer = {out: i for i, node in enumerate(self.nodes) for out in node.output}
+        keep: set[int] = set()
+        stack = list(outputs)
+        while stack:
+            index = producer.get(stack.pop())
+            if index is not None and index not in keep:
+                keep.add(index)
+                stack.extend(self.nodes[index].input)
+        return [node for i, node in enumerate(self.nodes) if i in keep]
+
+    def live_initializers(self, nodes: Sequence[onnx.NodeProto]) -> list[onnx.TensorProto]:
+        read = {name for node in nodes for name in node.input}
+        return [t for t in self.initializers if t.name in read]
+
+
+def external_inputs(nodes: Sequence[onnx.NodeProto], own: Sequence[onnx.TensorProto]) -> set[str]:
+    """Tensors ``nodes`` read that neither they nor their initializers ``own`` define."""
+    defined = {out for node in nodes for out in node.output} | {t.name for t in own}
+    return {name for node in nodes for name in node.input if name and name not in defined}
+
+
 def _broadcast_axes(target: Sequence[Dim] | None, result: Sequence[Dim] | None) -> list[int] | None:
     """Axes of ``result`` to sum so it matches ``target``; None when only run time can tell
     (a dim of ``target`` that is unknown could be a broadcast 1)."""
@@ -155,3 +201,4 @@ def _broadcast_axes(target: Sequence[Dim] | None, result: Sequence[Dim] | None) 
         else:
             return None
     return axes
+

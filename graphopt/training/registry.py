@@ -108,7 +108,8 @@ class GradientContext:
         return self.node.output[i]
 
     def fail(self, why: str) -> GraphoptError:
-        return GraphoptError(f"cannot differentiate {op_label(self.node)} node {self.name!r}: {why}")
+        return GraphoptError(
+            f"cannot differentiate {op_label(self.node)} node {self.name!r}: {why}")
 
     # ---- shapes of forward tensors -------------------------------------------------------
     def shape(self, tensor: str):

@@ -132,7 +132,8 @@ def pow_(ctx: GradientContext):
         power = ctx.op("Pow", base, ctx.op("Sub", p, ctx.scalar(1.0, base)))
         grad_base = _to_input(ctx, 0, ctx.op("Mul", ctx.dy, ctx.op("Mul", p, power)))
     if ctx.needs(1):  # d(x^p)/dp = x^p * ln(x)
-        grad_exponent = _to_input(ctx, 1, ctx.op("Mul", ctx.dy, ctx.op("Mul", y, ctx.op("Log", base))))
+        slope = ctx.op("Mul", y, ctx.op("Log", base))
+        grad_exponent = _to_input(ctx, 1, ctx.op("Mul", ctx.dy, slope))
     return [grad_base, grad_exponent]
 
 

@@ -1,0 +1,69 @@
+"""Which forward tensors carry a gradient: those computed (through floating-point values)
+from a trained tensor and used, directly or not, by the loss. Only their producers need a
+gradient definition; everything else (shape arithmetic, masks, unused branches) is skipped.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import onnx
+
+from ..ir import free_variables, subgraphs_of
+from .types import TypeTable
+
+
+@dataclass
+class GradientPath:
+    nodes: list[onnx.NodeProto]  # forward nodes to differentiate, in forward order
+    tensors: set[str]  # tensors that receive a gradient
+
+
+def node_inputs(node: onnx.NodeProto) -> list[str]:
+    """Explicit inputs plus the outer tensors its subgraphs (If/Loop/Scan bodies) read."""
+    inputs = [name for name in node.input if name]
+    for sub in subgraphs_of(node):
+        inputs.extend(free_variables(sub))
+    return inputs
+
+
+def find_gradient_path(graph: onnx.GraphProto, sources: Iterable[str], targets: Iterable[str],
+                       types: TypeTable) -> GradientPath:
+    reached = set(sources)
+    for node in graph.node:  # nodes are in topological order in a valid model
+        if any(name in reached for name in node_inputs(node)):
+            reached.update(out for out in node.output if out and types.is_float(out))
+
+    producer = {out: node for node in graph.node for out in node.output if out}
+    used_by_loss: set[str] = set()
+    stack = [t for t in targets]
+    while stack:
+        tensor = stack.pop()
+        if tensor in used_by_loss:
+            continue
+        used_by_loss.add(tensor)
+        node = producer.get(tensor)
+        if node is not None:
+            stack.extend(node_inputs(node))
+
+    tensors = reached & used_by_loss
+    nodes = [node for node in graph.node if any(out in tensors for out in node.output)]
+    return GradientPath(nodes, tensors)
+
+
+def ancestors(graph_nodes: list[onnx.NodeProto], tensors: Iterable[str]) -> list[onnx.NodeProto]:
+    """The nodes ``tensors`` depend on, in their original order."""
+    producer = {out: i for i, node in enumerate(graph_nodes) for out in node.output if out}
+    keep: set[int] = set()
+    stack = list(tensors)
+    seen: set[str] = set()
+    while stack:
+        tensor = stack.pop()
+        if tensor in seen:
+            continue
+        seen.add(tensor)
+        index = producer.get(tensor)
+        if index is not None and index not in keep:
+            keep.add(index)
+            stack.extend(node_inputs(graph_nodes[index]))
+    return [node for i, node in enumerate(graph_nodes) if i in keep]
