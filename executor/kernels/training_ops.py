@@ -191,7 +191,9 @@ def layer_normalization_grad(ctx, node, dy, x, scale, mean, inv_std):
 
 @_ms("DropoutGrad")
 def dropout_grad(ctx, node, dy, mask, ratio=None, training_mode=None):
-    training = False if training_mode is None else bool(ctx.host_scalar(training_mode))
+    # Without a training_mode input, follow the session's mode, as the forward Dropout does:
+    # otherwise a training session would drop values forward but not backward.
+    training = ctx.training if training_mode is None else bool(ctx.host_scalar(training_mode))
     ratio = 0.5 if ratio is None else float(ctx.host_scalar(ratio))
     if not training or ratio == 0.0:
         return dy

@@ -157,3 +157,24 @@ def test_dropout_grad_uses_mask_and_ratio_only_in_training_mode():
     np.testing.assert_allclose(train, dy * mask / 0.7)
     (infer,) = _grad("DropoutGrad", {"dy": dy, "mask": mask, "ratio": ratio, "t": np.array(False)})
     np.testing.assert_array_equal(infer, dy)
+
+
+def test_dropout_and_its_grad_without_training_mode_follow_the_session():
+    from onnx import TensorProto, helper
+
+    from graphopt.executor import Session
+
+    nodes = [helper.make_node("Dropout", ["x", "r"], ["y", "mask"]),
+             helper.make_node("DropoutGrad", ["dy", "mask", "r"], ["dx"], domain=MS)]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [64]) for n in ("x", "dy")],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [64]) for n in ("y", "dx")],
+        [helper.make_tensor("r", TensorProto.FLOAT, [], [0.5])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid(MS, 1)])
+    ones = {"x": np.ones(64, np.float32), "dy": np.ones(64, np.float32)}
+    out = Session(model, device="cpu", training=True, seed=0).run(ones)
+    np.testing.assert_array_equal(out["dx"], out["y"])  # same mask, same scale, both ways
+    assert 0 < (out["y"] == 0).sum() < 64
+    out = Session(model, device="cpu", training=False).run(ones)
+    np.testing.assert_array_equal(out["dx"], ones["dy"])
