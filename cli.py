@@ -82,5 +82,98 @@ def list_rules():
         click.echo("  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4])
 
 
+class _OneLineUsageErrors(click.Command):
+    """Option errors (a bad value, an unknown option) as one line and exit 1, like every
+    other user error of ``graphopt run``, instead of click's usage block and exit 2."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            click.echo(f"graphopt: error: {exc.format_message()}", err=True)
+            sys.exit(1)
+
+
+@main.command("run", cls=_OneLineUsageErrors)
+@click.argument("model", required=False, type=click.Path(dir_okay=False, path_type=str))
+@click.option("--example", metavar="NAME",
+              help="Train a built-in example instead of MODEL: mqa, mlp-digits.")
+@click.option("--data", metavar="FILE.npz", type=click.Path(path_type=str),
+              help="Training arrays named after the graph inputs, batched along axis 0.")
+@click.option("--loss", metavar="KIND|OUTPUT",
+              help="cross_entropy, mse, output, or the name of a scalar graph output.")
+@click.option("--labels", metavar="NAME", help="Name of the labels input cross_entropy/mse add.")
+@click.option("--steps", type=int, help="Number of optimizer steps.")
+@click.option("--epochs", type=int, help="Number of passes over the data (instead of --steps).")
+@click.option("--batch-size", type=int, help="Samples per step (default 32).")
+@click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adamw"]),
+              help="Default adamw.")
+@click.option("--lr", type=float, help="Learning rate (default 1e-3).")
+@click.option("--weight-decay", type=float,
+              help="L2 for sgd/momentum (default 0), decoupled for adamw (default 0.01).")
+@click.option("--precision", type=click.Choice(["fp32", "mixed", "fp16"]), default="fp32",
+              show_default=True,
+              help="mixed: FP16 compute, FP32 master weights; fp16: FP16 master weights too.")
+@click.option("--loss-scale", metavar="SPEC",
+              help="none | static:N | dynamic[:INIT[:INTERVAL]] (default: dynamic for "
+                   "mixed/fp16, none for fp32).")
+@click.option("--device", default="auto", show_default=True,
+              type=click.Choice(["auto", "cpu", "cuda", "rocm"]))
+@click.option("--numerics", default="auto", show_default=True,
+              type=click.Choice(["auto", "native", "mi200"]),
+              help="FP16 GEMM numerics; mi200 emulates MI200 denormal flushing.")
+@click.option("--level", type=click.IntRange(1, 2), default=2, show_default=True,
+              help="Rewrites applied to the training graph.")
+@click.option("--freeze", multiple=True, metavar="PATTERN", help="Do not train these weights.")
+@click.option("--train", "train_", multiple=True, metavar="PATTERN",
+              help="Train these weights even if --freeze matches them.")
+@click.option("--disable", multiple=True, metavar="RULE", help="Do not run this rule.")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Data order and dropout seed.")
+@click.option("--save-graph", type=click.Path(path_type=str), metavar="FILE.onnx",
+              help="Write the rewritten training graph.")
+@click.option("--checkpoint", type=click.Path(file_okay=False, path_type=str), metavar="DIR",
+              help="Save checkpoints here (each epoch, at the end, and on Ctrl-C).")
+@click.option("--checkpoint-every", type=click.IntRange(min=1), metavar="N",
+              help="Checkpoint every N steps instead of every epoch.")
+@click.option("--resume", is_flag=True, help="Continue from the checkpoint in --checkpoint DIR.")
+@click.option("--log", "log_file", type=click.Path(path_type=str), metavar="FILE",
+              help="Per-step log, FILE.csv or FILE.jsonl.")
+@click.option("--plot", type=click.Path(path_type=str), metavar="FILE.png",
+              help="Loss curve (needs matplotlib).")
+@click.option("--denormal-report", is_flag=False, flag_value="-", default=None,
+              metavar="[FILE.json]",
+              help="Print the nodes with the most FP16 denormals; also write JSON to FILE.")
+@click.option("-o", "--output", type=click.Path(path_type=str), metavar="FILE.onnx",
+              help="Write the trained model (forward graph, trained weights).")
+@click.option("--in-place", is_flag=True, help="Allow -o to overwrite the input model.")
+@click.option("-q", "--quiet", is_flag=True, help="Only errors and the interruption notice.")
+@user_errors
+def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer, lr,
+        weight_decay, precision, loss_scale, device, numerics, level, freeze, train_, disable,
+        seed, save_graph, checkpoint, checkpoint_every, resume, log_file, plot, denormal_report,
+        output, in_place, quiet):
+    """Train MODEL (or a built-in --example) with the graphopt executor.
+
+    \b
+    graphopt run --example mqa
+    graphopt run model.onnx --data train.npz --loss cross_entropy --epochs 3 -o trained.onnx
+    """
+    from graphopt.executor.train import RunOptions
+    from graphopt.executor.train import run as run_training
+
+    options = RunOptions(
+        model=model, example=example, data=data, loss=loss, labels=labels, steps=steps,
+        epochs=epochs, batch_size=batch_size, optimizer=optimizer, lr=lr,
+        weight_decay=weight_decay, precision=precision, loss_scale=loss_scale, device=device,
+        numerics=numerics, level=level, freeze=freeze, train=train_, disable=disable,
+        seed=seed, save_graph=save_graph, checkpoint=checkpoint,
+        checkpoint_every=checkpoint_every, resume=resume, log=log_file, plot=plot,
+        denormal_report=denormal_report, output=output, overwrite_input=in_place, quiet=quiet)
+    outcome = run_training(options, echo=click.echo)
+    if outcome.result.interrupted:
+        sys.exit(130)
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,223 @@
+"""The training loop: one executor run per step (forward, YieldOp, backward under the
+guard), then loss-scale bookkeeping and the optimizer update on the master weights."""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from graphopt.errors import GraphoptError
+
+from . import checkpoint as ckpt
+from .data import Batches
+from .loss_scaling import LossScaler
+from .optimizers import Optimizer
+from .precision import compute_dtype, master_dtype
+from .progress import Progress, StepLog
+from .training_graph import TrainingGraph
+
+
+@dataclass
+class LoopSettings:
+    total_steps: int
+    precision: str = "fp32"
+    seed: int = 0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None   # steps; None: at the end of every epoch
+    interrupt_dir: str | None = None      # where Ctrl-C saves without --checkpoint
+
+
+@dataclass
+class TrainResult:
+    params: dict[str, np.ndarray]         # float32 copies of the master weights
+    history: list[dict] = field(default_factory=list)
+    steps_done: int = 0
+    skipped: int = 0
+    interrupted: bool = False
+    checkpoint: str | None = None         # path of the last checkpoint written
+
+    @property
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.history]
+
+
+class StopFlag:
+    """Ctrl-C asks the loop to stop after the current step; a second Ctrl-C aborts."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def _reseed(session, value: int) -> None:
+    """Dropout masks of step N depend on (seed, N) only: a resumed run draws the same."""
+    reseed = getattr(session, "reseed", None) or session._ctx.reseed
+    reseed(value)
+
+
+class Trainer:
+    def __init__(self, graph: TrainingGraph, session, batches: Batches, optimizer: Optimizer,
+                 scaler: LossScaler, settings: LoopSettings, *, progress: Progress | None = None,
+                 log: StepLog | None = None, echo: Callable[[str], None] = print,
+                 after_step: Callable[[int, dict], None] | None = None):
+        self.graph, self.session, self.batches = graph, session, batches
+        self.optimizer, self.scaler, self.settings = optimizer, scaler, settings
+        self.progress, self.log, self.echo, self.after_step = progress, log, echo, after_step
+        self.compute_dtype = compute_dtype(settings.precision)
+        self.params = {n: v.astype(master_dtype(settings.precision)) for n, v in graph.initial.items()}
+        self.history: list[dict] = []
+        self.step = 0
+        self.fetches = list(graph.losses) + [graph.grads[p] for p in graph.params]
+        self._loss_feeds = self._loss_gradient_templates()
+        self._last_checkpoint: str | None = None
+
+    # -- setup --------------------------------------------------------------------------------
+    def _loss_gradient_templates(self) -> list[tuple[str, tuple, np.dtype]]:
+        """(YieldOp output, shape, dtype) of each loss: fed ``scale`` when scaling."""
+        declared = {o.name: o for o in self.graph.proto.graph.output}
+        templates = []
+        for loss, grad in zip(self.graph.losses, self.graph.loss_grads):
+            tensor_type = declared[loss].type.tensor_type if loss in declared else None
+            dims = None
+            if tensor_type is not None and tensor_type.HasField("shape"):
+                dims = [d.dim_value if d.HasField("dim_value") else None
+                        for d in tensor_type.shape.dim]
+            dtype = np.dtype(np.float32)
+            if tensor_type is not None and tensor_type.elem_type:
+                dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))
+            templates.append((grad, None if dims is None or None in dims else tuple(dims), dtype))
+        return templates
+
+    def resume_from(self, directory: str) -> None:
+        state = ckpt.load(directory)
+        if list(state.params) != list(self.params):
+            raise GraphoptError(f"checkpoint in {directory} trains {list(state.params)[:4]}..., "
+                                f"this run trains {list(self.params)[:4]}...; not the same model")
+        for name, value in state.params.items():
+            if value.shape != self.params[name].shape:
+                raise GraphoptError(f"checkpoint weight {name!r} has shape {value.shape}, the "
+                                    f"model's is {self.params[name].shape}")
+        if state.precision != self.settings.precision:
+            raise GraphoptError(f"checkpoint was trained with --precision {state.precision}, "
+                                f"this run asks for {self.settings.precision}")
+        data = state.data
+        mine = {"seed": self.batches.seed, "size": self.batches.size,
+                "batch_size": self.batches.batch_size}
+        for key, value in mine.items():
+            if data.get(key) != value:
+                raise GraphoptError(f"checkpoint data {key} is {data.get(key)}, this run has "
+                                    f"{value}; resume with the same data, --seed and --batch-size")
+        self.optimizer.load_state(state.optimizer, state.optimizer_arrays)
+        self.scaler.load_state(state.scaler)
+        self.params = {n: v.astype(master_dtype(self.settings.precision))
+                       for n, v in state.params.items()}
+        self.step = state.step
+        self.history = list(state.history)
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def save_checkpoint(self, directory: str) -> str:
+        epoch, index = self.batches.position(self.step)
+        scalars, arrays = self.optimizer.state()
+        state = ckpt.Checkpoint(
+            step=self.step, params=self.params, optimizer=scalars, optimizer_arrays=arrays,
+            scaler=self.scaler.state(),
+            data={"seed": self.batches.seed, "size": self.batches.size,
+                  "batch_size": self.batches.batch_size, "epoch": epoch,
+                  "batch_in_epoch": index},
+            history=self.history, precision=self.settings.precision)
+        self._last_checkpoint = ckpt.save(directory, state)
+        return self._last_checkpoint
+
+    def _checkpoint_due(self) -> bool:
+        every = self.settings.checkpoint_every
+        if every:
+            return self.step % every == 0
+        return self.step % self.batches.steps_per_epoch == 0
+
+    # -- one step -------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        started = time.perf_counter()
+        step = self.step
+        feeds = self.batches.batch(step)
+        for name, value in self.params.items():
+            feeds[name] = value.astype(self.compute_dtype, copy=False)
+        scale = self.scaler.scale
+        if scale != 1.0:
+            for grad_name, shape, dtype in self._loss_feeds:
+                if shape is None:
+                    raise GraphoptError("loss scaling needs losses of known static shape; "
+                                        "use --loss-scale none")
+                feeds[grad_name] = np.full(shape, scale, dtype)
+        _reseed(self.session, self.settings.seed * 1_000_003 + step)
+        # FP16 overflow is expected while a loss scale searches for its level: the step is
+        # detected below and skipped, so numpy's warnings about it are noise
+        with np.errstate(over="ignore", invalid="ignore"):
+            out = self.session.run(feeds, self.fetches)
+        loss = float(sum(np.sum(out[name], dtype=np.float64) for name in self.graph.losses))
+        grads = {}
+        finite = True
+        for param in self.graph.params:
+            grad = out[self.graph.grads[param]].astype(np.float32)
+            if scale != 1.0:
+                grad /= np.float32(scale)
+            finite = finite and bool(np.isfinite(grad).all())
+            grads[param] = grad
+        scale_used = scale
+        applied = self.scaler.update(not finite)
+        if applied:
+            self.optimizer.step(self.params, grads)
+        self.step += 1
+        epoch, _ = self.batches.position(step)
+        record = {"step": self.step, "epoch": epoch, "loss": loss, "loss_scale": scale_used,
+                  "skipped": self.scaler.skipped, "applied": applied,
+                  "seconds": round(time.perf_counter() - started, 6)}
+        self.history.append(record)
+        return record
+
+    # -- the loop -------------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        settings = self.settings
+        interrupted = False
+        items = self.batches.batch_size
+        with StopFlag() as stop:
+            while self.step < settings.total_steps:
+                record = self.train_step()
+                if self.log is not None:
+                    self.log.write(record)
+                if self.progress is not None:
+                    self.progress.update(self.step, record["loss"], items, record["skipped"],
+                                         record["loss_scale"])
+                if self.after_step is not None:
+                    self.after_step(self.step, record)
+                if settings.checkpoint_dir and self._checkpoint_due():
+                    self.save_checkpoint(settings.checkpoint_dir)
+                if stop.requested and self.step < settings.total_steps:
+                    interrupted = True
+                    break
+        if self.progress is not None:
+            self.progress.close()
+        target = settings.checkpoint_dir or (settings.interrupt_dir if interrupted else None)
+        if target:
+            self.save_checkpoint(target)
+        return TrainResult({n: v.astype(np.float32) for n, v in self.params.items()},
+                           self.history, self.step, self.scaler.skipped, interrupted,
+                           self._last_checkpoint)

@@ -1,0 +1,140 @@
+"""Optimizers over named float32 master weights, with PyTorch's update formulas (so a
+graphopt run and a torch run of the same model agree step for step).
+
+Every optimizer updates ``params`` (name -> numpy array) in place from ``grads`` (name ->
+float32 array) and keeps its state as named arrays plus a few scalars, which the checkpoint
+stores as they are (bit-exact resume).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from graphopt.errors import GraphoptError
+
+OPTIMIZERS = ("sgd", "momentum", "adamw")
+
+
+class Optimizer:
+    name = ""
+
+    def __init__(self, lr: float, weight_decay: float = 0.0):
+        if not lr > 0:
+            raise GraphoptError(f"--lr must be positive, not {lr}")
+        if weight_decay < 0:
+            raise GraphoptError(f"--weight-decay must be >= 0, not {weight_decay}")
+        self.lr = float(lr)
+        self.weight_decay = float(weight_decay)
+        self.steps = 0  # updates applied (skipped loss-scale steps do not count)
+        self.slots: dict[str, dict[str, np.ndarray]] = {}
+
+    def step(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray]) -> None:
+        self.steps += 1
+        for name, param in params.items():
+            # the arithmetic runs in float32 whatever the master dtype ("fp16" precision
+            # keeps float16 masters: the rounding of the result is part of that experiment)
+            value = param.astype(np.float32)
+            self._update(name, value, grads[name].astype(np.float32, copy=False))
+            param[...] = value
+
+    def _update(self, name: str, param: np.ndarray, grad: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _slot(self, param_name: str, slot: str, like: np.ndarray) -> np.ndarray:
+        slots = self.slots.setdefault(param_name, {})
+        if slot not in slots:
+            slots[slot] = np.zeros(like.shape, np.float32)
+        return slots[slot]
+
+    # -- checkpoint -------------------------------------------------------------------------
+    def state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """(JSON-able scalars, named arrays)."""
+        arrays = {f"{param}/{slot}": value for param, slots in self.slots.items()
+                  for slot, value in slots.items()}
+        return {"name": self.name, "lr": self.lr, "weight_decay": self.weight_decay,
+                "steps": self.steps, **self._hyper()}, arrays
+
+    def load_state(self, scalars: dict, arrays: dict[str, np.ndarray]) -> None:
+        mine, _ = self.state()
+        for key in mine:
+            if key != "steps" and scalars.get(key) != mine[key]:
+                raise GraphoptError(
+                    f"checkpoint optimizer {key} is {scalars.get(key)!r}, this run has "
+                    f"{mine[key]!r}; resume with the same optimizer settings")
+        self.steps = int(scalars["steps"])
+        self.slots = {}
+        for key, value in arrays.items():
+            param, slot = key.rsplit("/", 1)
+            self.slots.setdefault(param, {})[slot] = np.array(value, np.float32)
+
+    def _hyper(self) -> dict:
+        return {}
+
+
+class SGD(Optimizer):
+    """torch.optim.SGD without momentum: p -= lr * (g + wd * p) (L2 decay, coupled)."""
+    name = "sgd"
+
+    def _update(self, name, param, grad):
+        if self.weight_decay:
+            grad = grad + self.weight_decay * param
+        param -= self.lr * grad
+
+
+class Momentum(Optimizer):
+    """torch.optim.SGD(momentum=m): buf = m * buf + g (buf = g on the first step)."""
+    name = "momentum"
+
+    def __init__(self, lr, weight_decay=0.0, momentum: float = 0.9):
+        super().__init__(lr, weight_decay)
+        self.momentum = float(momentum)
+
+    def _hyper(self):
+        return {"momentum": self.momentum}
+
+    def _update(self, name, param, grad):
+        if self.weight_decay:
+            grad = grad + self.weight_decay * param
+        fresh = name not in self.slots
+        buf = self._slot(name, "momentum", param)
+        if fresh:
+            buf[...] = grad
+        else:
+            buf *= self.momentum
+            buf += grad
+        param -= self.lr * buf
+
+
+class AdamW(Optimizer):
+    """torch.optim.AdamW: decoupled decay p *= 1 - lr * wd, then Adam with bias correction,
+    in torch's order of operations (denominator sqrt(v) / sqrt(bc2) + eps)."""
+    name = "adamw"
+
+    def __init__(self, lr, weight_decay=0.01, betas=(0.9, 0.999), eps: float = 1e-8):
+        super().__init__(lr, weight_decay)
+        self.beta1, self.beta2 = (float(b) for b in betas)
+        self.eps = float(eps)
+
+    def _hyper(self):
+        return {"beta1": self.beta1, "beta2": self.beta2, "eps": self.eps}
+
+    def _update(self, name, param, grad):
+        param *= 1.0 - self.lr * self.weight_decay
+        m = self._slot(name, "exp_avg", param)
+        v = self._slot(name, "exp_avg_sq", param)
+        m *= self.beta1
+        m += (1.0 - self.beta1) * grad
+        v *= self.beta2
+        v += (1.0 - self.beta2) * grad * grad
+        bias1 = 1.0 - self.beta1 ** self.steps
+        bias2 = 1.0 - self.beta2 ** self.steps
+        denom = np.sqrt(v) / np.float32(np.sqrt(bias2)) + np.float32(self.eps)
+        param -= np.float32(self.lr / bias1) * (m / denom)
+
+
+def make_optimizer(name: str, lr: float, weight_decay: float | None = None) -> Optimizer:
+    if name not in OPTIMIZERS:
+        raise GraphoptError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    if name == "adamw":
+        return AdamW(lr, 0.01 if weight_decay is None else weight_decay)
+    cls = SGD if name == "sgd" else Momentum
+    return cls(lr, 0.0 if weight_decay is None else weight_decay)

@@ -1,0 +1,83 @@
+"""What a run shows while it trains: a one-line progress bar on a terminal, plain lines
+otherwise (CI logs, pipes), and the per-step log file (CSV or JSON lines)."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+
+from graphopt.errors import GraphoptError
+
+LOG_FIELDS = ("step", "epoch", "loss", "loss_scale", "skipped", "applied", "seconds")
+
+
+class Progress:
+    """``echo(text)`` writes a line. On a terminal the bar is redrawn in place (``\\r``)."""
+
+    def __init__(self, total: int, start: int = 0, unit: str = "samples", *,
+                 stream=None, every: int | None = None, echo: Callable[[str], None] = print):
+        self.stream = stream if stream is not None else sys.stderr
+        self.is_tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.total, self.start, self.unit = total, start, unit
+        self.every = every or max(1, (total - start) // 20)
+        self.echo = echo
+        self.started = time.perf_counter()
+        self.done_items = 0
+        self._last_draw = 0.0
+
+    def update(self, step: int, loss: float, items: int, skipped: int, scale: float) -> None:
+        """``step`` is the number of steps finished (1-based)."""
+        self.done_items += items
+        elapsed = time.perf_counter() - self.started
+        rate = self.done_items / elapsed if elapsed > 0 else 0.0
+        scale_text = f"  scale {scale:g}" if scale != 1.0 else ""
+        status = (f"loss {loss:.4f}  {rate:,.0f} {self.unit}/s  skipped {skipped}{scale_text}")
+        if self.is_tty:
+            now = time.perf_counter()
+            if now - self._last_draw < 0.1 and step < self.total:
+                return
+            self._last_draw = now
+            width = 24
+            filled = int(width * step / max(self.total, 1))
+            bar = "#" * filled + "-" * (width - filled)
+            self.stream.write(f"\r[{bar}] {step}/{self.total}  {status}\x1b[K")
+            self.stream.flush()
+        elif step == self.total or step == self.start + 1 or (step - self.start) % self.every == 0:
+            self.echo(f"step {step}/{self.total}  {status}")
+
+    def close(self) -> None:
+        if self.is_tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+class StepLog:
+    """Appends one record per step to FILE.csv or FILE.jsonl (flushed each step, so an
+    interrupted run keeps its log; a resumed run appends)."""
+
+    def __init__(self, path: str, append: bool = False):
+        ext = os.path.splitext(path)[1].lower()
+        if ext not in (".csv", ".jsonl"):
+            raise GraphoptError(f"--log {path}: use a .csv or .jsonl file name")
+        self.kind = ext[1:]
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise GraphoptError(f"--log {path}: folder {folder} does not exist")
+        fresh = not (append and os.path.exists(path))
+        self.file = open(path, "w" if fresh else "a", newline="", encoding="utf-8")  # noqa: SIM115
+        self.writer = csv.DictWriter(self.file, LOG_FIELDS) if self.kind == "csv" else None
+        if self.writer is not None and fresh:
+            self.writer.writeheader()
+
+    def write(self, record: dict) -> None:
+        if self.writer is not None:
+            self.writer.writerow({k: record.get(k) for k in LOG_FIELDS})
+        else:
+            self.file.write(json.dumps({k: record.get(k) for k in LOG_FIELDS}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()

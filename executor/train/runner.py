@@ -1,0 +1,231 @@
+"""``graphopt run``: everything between the parsed options and the files written.
+
+The CLI builds a :class:`RunOptions` and calls :func:`run`; tests and scripts call it too.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from graphopt import modelio
+from graphopt.errors import GraphoptError
+from graphopt.executor import ExecutorError, Session
+from graphopt.executor.session import _value_type
+
+from . import checkpoint as ckpt
+from .data import Batches, load_npz
+from .export import plot_losses, require_matplotlib, save_model, trained_model
+from .loop import LoopSettings, Trainer, TrainResult
+from .loss_scaling import parse_loss_scale
+from .optimizers import make_optimizer
+from .precision import check_precision
+from .progress import Progress, StepLog
+from .training_graph import TrainingGraph, build
+
+INTERRUPT_DIR = "graphopt-checkpoint"
+
+
+@dataclass
+class RunOptions:
+    model: str | None = None              # a path, or None with ``example``
+    example: str | None = None
+    data: str | None = None               # .npz; examples bring their own
+    loss: str | None = None
+    labels: str | None = None
+    steps: int | None = None
+    epochs: int | None = None
+    batch_size: int | None = None
+    optimizer: str | None = None
+    lr: float | None = None
+    weight_decay: float | None = None
+    precision: str = "fp32"
+    loss_scale: str | None = None
+    device: str = "auto"
+    numerics: str = "auto"
+    level: int = 2
+    freeze: tuple[str, ...] = ()
+    train: tuple[str, ...] = ()
+    disable: tuple[str, ...] = ()         # rule names (the benchmark disables the Split fusion)
+    seed: int = 0
+    save_graph: str | None = None
+    checkpoint: str | None = None
+    checkpoint_every: int | None = None
+    resume: bool = False
+    log: str | None = None
+    plot: str | None = None
+    denormal_report: str | None = None    # "-" prints only
+    output: str | None = None
+    overwrite_input: bool = False
+    quiet: bool = False
+
+
+@dataclass
+class RunOutcome:
+    graph: TrainingGraph
+    result: TrainResult
+    session: Session
+    forward: onnx.ModelProto
+    written: list[str] = field(default_factory=list)
+
+
+DEFAULTS = {"batch_size": 32, "optimizer": "adamw", "lr": 1e-3}
+
+
+def _resolve_source(opts: RunOptions):
+    """(forward model, data arrays or None, example defaults, source path)."""
+    if (opts.model is None) == (opts.example is None):
+        raise GraphoptError("give a MODEL or --example NAME (not both)")
+    if opts.example is not None:
+        from graphopt.examples import load_example
+
+        example = load_example(opts.example)
+        data = load_npz(opts.data) if opts.data else example.data
+        return example.model, data, example.settings, None
+    if not os.path.exists(opts.model):
+        raise GraphoptError(f"{opts.model}: no such file")
+    if opts.data is None:
+        raise GraphoptError("--data FILE.npz is required to train a model file")
+    return modelio.load(opts.model, check=False).proto, load_npz(opts.data), {}, opts.model
+
+
+def _check_outputs(opts: RunOptions, source: str | None) -> None:
+    """Refuse bad output paths before any training happens."""
+    for path in (opts.output, opts.save_graph, opts.plot):
+        if path:
+            modelio.check_output_path(path, source, opts.overwrite_input)
+    if opts.denormal_report and opts.denormal_report != "-":
+        modelio.check_output_path(opts.denormal_report, source, False)
+    if opts.plot:
+        require_matplotlib()
+    if opts.resume and not opts.checkpoint:
+        raise GraphoptError("--resume needs --checkpoint DIR")
+
+
+def _total_steps(opts: RunOptions, defaults: dict, batches: Batches) -> int:
+    steps = opts.steps if opts.steps is not None else None
+    epochs = opts.epochs
+    if steps is not None and epochs is not None:
+        raise GraphoptError("give --steps or --epochs, not both")
+    if steps is None and epochs is None:
+        steps, epochs = defaults.get("steps"), defaults.get("epochs", 1)
+    if steps is not None:
+        if steps < 1:
+            raise GraphoptError(f"--steps must be >= 1, not {steps}")
+        return steps
+    if epochs < 1:
+        raise GraphoptError(f"--epochs must be >= 1, not {epochs}")
+    return epochs * batches.steps_per_epoch
+
+
+def _pick(opts: RunOptions, defaults: dict, name: str):
+    value = getattr(opts, name)
+    if value is not None:
+        return value
+    return defaults.get(name, DEFAULTS.get(name))
+
+
+def run(opts: RunOptions, echo: Callable[[str], None] = print, *, progress_stream=None,
+        after_step=None) -> RunOutcome:
+    say = (lambda _text: None) if opts.quiet else echo
+    precision = check_precision(opts.precision)
+    forward, arrays, defaults, source = _resolve_source(opts)
+    _check_outputs(opts, source)
+    scaler = parse_loss_scale(opts.loss_scale, precision)
+    optimizer = make_optimizer(_pick(opts, defaults, "optimizer"), _pick(opts, defaults, "lr"),
+                               opts.weight_decay)
+    loss = opts.loss if opts.loss is not None else defaults.get("loss")
+    labels = opts.labels if opts.labels is not None else defaults.get("labels")
+
+    graph = build(forward, loss=loss, labels=labels, freeze=opts.freeze, train=opts.train,
+                  level=opts.level, precision=precision, disable=opts.disable)
+    for title, report in graph.reports:
+        say(f"== {title}")
+        say(report.format_table())
+    if opts.save_graph:
+        save_model(graph.proto, opts.save_graph)
+        say(f"wrote the training graph to {opts.save_graph}")
+
+    try:
+        session = Session(graph.proto, device=opts.device, numerics=opts.numerics,
+                          training=True, seed=opts.seed,
+                          denormal_stats=opts.denormal_report is not None)
+    except ExecutorError as exc:
+        raise GraphoptError(str(exc)) from None
+    if session.numerics is not None and hasattr(session.numerics, "describe"):
+        say(session.numerics.describe())
+
+    input_types = {name: _value_type(vi) for vi in graph.proto.graph.input
+                   if (name := vi.name) in graph.data_inputs}
+    batches = Batches(arrays, graph.data_inputs, _pick(opts, defaults, "batch_size"), opts.seed,
+                      input_types)
+    if batches.ignored:
+        say(f"note: data arrays not read by the graph: {batches.ignored}")
+    total = _total_steps(opts, defaults, batches)
+    settings = LoopSettings(total, precision, opts.seed, opts.checkpoint, opts.checkpoint_every,
+                            INTERRUPT_DIR)
+    log = StepLog(opts.log, append=opts.resume) if opts.log else None
+    progress = None if opts.quiet else Progress(total, unit="samples", stream=progress_stream,
+                                                echo=echo)
+    trainer = Trainer(graph, session, batches, optimizer, scaler, settings, progress=progress,
+                      log=log, echo=echo, after_step=after_step)
+    if opts.resume:
+        trainer.resume_from(opts.checkpoint)
+        if progress is not None:
+            progress.start = trainer.step
+        say(f"resumed from {ckpt.path_in(opts.checkpoint)} at step {trainer.step}")
+    say(f"training {len(graph.params)} tensors "
+        f"({sum(v.size for v in graph.initial.values()):,} weights) for {total} steps of "
+        f"{batches.batch_size} ({batches.steps_per_epoch} steps per epoch); optimizer "
+        f"{optimizer.name} lr {optimizer.lr:g}; precision {precision}; loss scale "
+        f"{scaler.describe()}; device {session.device}")
+    try:
+        result = trainer.run()
+    except ExecutorError as exc:
+        raise GraphoptError(f"training step {trainer.step + 1} failed: {exc}") from None
+    finally:
+        if log is not None:
+            log.close()
+    outcome = RunOutcome(graph, result, session, forward)
+    _finish(opts, outcome, say, echo)
+    return outcome
+
+
+def _finish(opts: RunOptions, outcome: RunOutcome, say, echo) -> None:
+    result = outcome.result
+    if result.history:
+        first, last = result.history[0]["loss"], result.history[-1]["loss"]
+        tail = result.losses[-10:]
+        say(f"loss: first step {first:.4f}, last step {last:.4f} "
+            f"(mean of the last {len(tail)}: {np.mean(tail):.4f}); skipped steps {result.skipped}")
+    if result.interrupted:
+        where = result.checkpoint or "(nothing saved)"
+        echo(f"interrupted after step {result.steps_done}; checkpoint {where}; continue with "
+             f"--checkpoint {os.path.dirname(where) or '.'} --resume")
+        return
+    if result.checkpoint:
+        say(f"checkpoint: {result.checkpoint}")
+    if opts.denormal_report is not None:
+        _denormal_report(opts.denormal_report, outcome.session, say)
+    if opts.plot:
+        title = f"graphopt run {opts.example or os.path.basename(opts.model or '')}"
+        plot_losses(result.history, opts.plot, title)
+        outcome.written.append(opts.plot)
+        say(f"wrote {opts.plot}")
+    if opts.output:
+        save_model(trained_model(outcome.forward, result.params), opts.output)
+        outcome.written.append(opts.output)
+        say(f"wrote the trained model to {opts.output}")
+
+
+def _denormal_report(target: str, session: Session, say) -> None:
+    numerics = session.numerics
+    report = numerics.denormal_report()
+    say(numerics.format_denormal_table())
+    if target != "-":
+        modelio.write_text_atomic(target, json.dumps(report, indent=2))
+        say(f"wrote {target}")

@@ -1,0 +1,129 @@
+"""Forward model -> the optimized training graph `graphopt run` executes.
+
+Order, as ONNX Runtime training does it:
+1. level-1 rewrites on the *forward* graph (ORT's pre-training transformers), trainable
+   weights listed as graph inputs so constant folding leaves them alone. The Falcon
+   Slice/Gather/Gather on ``fused_qkv`` becomes one Split here, so the gradient builder
+   differentiates the Split: its gradient is one Concat instead of a SliceGrad and two
+   GatherGrads that each materialise a zero tensor of the full ``fused_qkv`` shape;
+2. float16 conversion for ``--precision mixed|fp16`` (loss kept in float32);
+3. the training graph (forward, YieldOp, gradients);
+4. rewrites up to ``--level`` on the training graph: mark_backward_pass puts
+   ``__backwardpass=1`` on the YieldOp and the gradient nodes, the FusedMatMul fusions fuse
+   the gradient GEMMs' transposes and scales (the mark is carried over by the engine).
+
+A model that already has a YieldOp skips 1-3.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+import graphopt
+from graphopt.errors import GraphoptError
+from graphopt.ir import MS_DOMAIN, normalize_domain
+from graphopt.report import Report
+from graphopt.training import build_training_graph
+from graphopt.training.selection import select_trainable
+
+from .precision import to_float16
+
+NAMED_LOSSES = ("cross_entropy", "mse", "output")
+
+
+@dataclass
+class TrainingGraph:
+    proto: onnx.ModelProto
+    params: list[str]                 # trained initializers, in model order
+    grads: dict[str, str]             # param -> graph output holding its gradient
+    losses: list[str]                 # YieldOp differentiable inputs (usually one scalar)
+    loss_grads: list[str]             # the YieldOp outputs: fed the loss scale
+    data_inputs: list[str]            # graph inputs fed from the data
+    initial: dict[str, np.ndarray]    # float32 values of the params (from the model)
+    reports: list[tuple[str, Report]] = field(default_factory=list)
+
+    @property
+    def fired(self) -> list[str]:
+        return [name for _, report in self.reports for name in report.fired]
+
+
+def has_yield(model: onnx.ModelProto) -> bool:
+    return any(n.op_type == "YieldOp" and normalize_domain(n.domain) == MS_DOMAIN
+               for n in model.graph.node)
+
+
+def _loss_arguments(loss: str | None, outputs: list[str]) -> dict:
+    """``--loss`` -> build_training_graph arguments: a named loss, or an output's name."""
+    if loss is None or loss in NAMED_LOSSES:
+        return {"loss": loss}
+    if loss not in outputs:
+        raise GraphoptError(f"--loss {loss!r} is neither {', '.join(NAMED_LOSSES)} nor a graph "
+                            f"output; the outputs are {outputs}")
+    return {"loss": None, "outputs": [loss]}
+
+
+def _with_weights_as_inputs(model: onnx.ModelProto, params: list[str]) -> onnx.ModelProto:
+    proto = onnx.ModelProto()
+    proto.CopyFrom(model)
+    declared = {i.name for i in proto.graph.input}
+    by_name = {t.name: t for t in proto.graph.initializer}
+    for name in params:
+        if name not in declared:
+            tensor = by_name[name]
+            proto.graph.input.append(onnx.helper.make_tensor_value_info(
+                name, tensor.data_type, list(tensor.dims)))
+    return proto
+
+
+def build(forward: onnx.ModelProto, *, loss: str | None = None, labels: str | None = None,
+          freeze=(), train=(), level: int = 2, precision: str = "fp32",
+          disable: tuple[str, ...] = ()) -> TrainingGraph:
+    reports: list[tuple[str, Report]] = []
+    if has_yield(forward):
+        if loss is not None or labels or freeze or train:
+            raise GraphoptError("the model is already a training graph (it has a YieldOp); "
+                                "--loss, --labels, --freeze and --train do not apply")
+        training = forward if precision == "fp32" else to_float16(forward, keep_outputs_fp32=False)
+    else:
+        initializers = [(t.name, t.data_type) for t in forward.graph.initializer]
+        params = select_trainable(initializers, None, freeze, train)
+        if not params:
+            raise GraphoptError("nothing to train: no float initializer is selected")
+        staged = _with_weights_as_inputs(forward, params)
+        staged, report = graphopt.optimize(staged, level=1, disable=list(disable),
+                                           check_input=False)
+        reports.append(("forward graph, level 1 (before differentiation)", report))
+        if precision != "fp32":
+            staged = to_float16(staged)
+        arguments = _loss_arguments(loss, [o.name for o in forward.graph.output])
+        training = build_training_graph(staged, labels_name=labels, train=params,
+                                        trainable=params, **arguments)
+    training, report = graphopt.optimize(training, level=level, disable=list(disable),
+                                         check_input=False)
+    reports.append((f"training graph, level {level}", report))
+    return _describe(training, forward, reports)
+
+
+def _describe(training: onnx.ModelProto, forward: onnx.ModelProto,
+              reports: list[tuple[str, Report]]) -> TrainingGraph:
+    graph = training.graph
+    yield_node = next(n for n in graph.node
+                      if n.op_type == "YieldOp" and normalize_domain(n.domain) == MS_DOMAIN)
+    skipped = {a.ints for a in yield_node.attribute if a.name == "non_differentiable_outputs"}
+    skipped = set(next(iter(skipped), []))
+    losses = [x for i, x in enumerate(yield_node.input) if i not in skipped]
+    initializer_names = {t.name for t in graph.initializer}
+    outputs = {o.name for o in graph.output}
+    params = [t.name for t in graph.initializer if f"{t.name}_grad" in outputs]
+    if not params:
+        raise GraphoptError("the training graph has no '<param>_grad' output: nothing to train")
+    originals = {t.name: t for t in forward.graph.initializer}
+    current = {t.name: t for t in graph.initializer}
+    initial = {name: numpy_helper.to_array(originals.get(name, current[name])).astype(np.float32)
+               for name in params}
+    data_inputs = [i.name for i in graph.input if i.name not in initializer_names]
+    return TrainingGraph(training, params, {p: f"{p}_grad" for p in params}, losses,
+                         list(yield_node.output), data_inputs, initial, reports)

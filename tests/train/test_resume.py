@@ -1,0 +1,91 @@
+"""An interrupted run resumed from its checkpoint ends on exactly the weights of the
+uninterrupted run: mid-epoch, across epoch boundaries, with optimizer and loss-scaler state,
+through the real Ctrl-C path (SIGINT to this process)."""
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from graphopt.errors import GraphoptError
+from graphopt.executor.train import RunOptions, run
+from graphopt.executor.train import checkpoint as ckpt
+
+from .helpers import MLP, mlp_data, write_npz
+
+
+def options(tmp_path, **overrides) -> RunOptions:
+    base = dict(model=MLP, data=write_npz(tmp_path / "d.npz", mlp_data(samples=42)),
+                loss="cross_entropy", steps=27, batch_size=4, optimizer="adamw", lr=0.01,
+                seed=5, device="cpu", quiet=True)
+    return RunOptions(**{**base, **overrides})
+
+
+def interrupt_at(stop_step):
+    def after_step(step, record):
+        if step == stop_step:
+            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C does; the loop finishes the step
+    return after_step
+
+
+@pytest.mark.parametrize("stop_step", [7, 10, 13])  # mid-epoch, epoch end (10/epoch), next epoch
+@pytest.mark.parametrize("optimizer,precision,loss_scale", [
+    ("adamw", "fp32", None), ("momentum", "fp32", None), ("adamw", "mixed", "dynamic:1024:3"),
+])
+def test_ctrl_c_then_resume_equals_uninterrupted(tmp_path, stop_step, optimizer, precision,
+                                                 loss_scale):
+    common = dict(optimizer=optimizer, precision=precision, loss_scale=loss_scale)
+    straight = run(options(tmp_path, **common))
+    folder = str(tmp_path / "ckpt")
+    first = run(options(tmp_path, checkpoint=folder, **common), after_step=interrupt_at(stop_step))
+    assert first.result.interrupted and first.result.steps_done == stop_step
+    assert ckpt.load(folder).step == stop_step
+    resumed = run(options(tmp_path, checkpoint=folder, resume=True, **common))
+    assert resumed.result.steps_done == 27 and not resumed.result.interrupted
+    for name, value in straight.result.params.items():
+        np.testing.assert_array_equal(resumed.result.params[name], value, err_msg=name)
+    assert resumed.result.losses == straight.result.losses  # the history carries over
+    assert resumed.result.skipped == straight.result.skipped
+    if loss_scale:  # the scaler really moved: overflow skips, then x2 after 3 good steps
+        scales = [r["loss_scale"] for r in straight.result.history]
+        assert straight.result.skipped > 0 and max(scales[1:]) > min(scales)
+
+
+def test_resume_can_extend_a_finished_run(tmp_path):
+    folder = str(tmp_path / "ckpt")
+    run(options(tmp_path, steps=12, checkpoint=folder))
+    extended = run(options(tmp_path, steps=27, checkpoint=folder, resume=True))
+    straight = run(options(tmp_path, steps=27))
+    for name, value in straight.result.params.items():
+        np.testing.assert_array_equal(extended.result.params[name], value)
+
+
+def test_checkpoint_every_n_steps_and_no_temp_files_left(tmp_path):
+    folder = tmp_path / "ckpt"
+    seen = []
+    run(options(tmp_path, steps=9, checkpoint=str(folder), checkpoint_every=4),
+        after_step=lambda step, _: seen.append(ckpt.load(str(folder)).step
+                                               if (folder / ckpt.FILENAME).exists() else None))
+    assert seen == [None, None, None, None, 4, 4, 4, 4, 8]  # read before step N's own save
+    assert sorted(os.listdir(folder)) == [ckpt.FILENAME]
+    assert ckpt.load(str(folder)).step == 9
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(seed=6), "seed"), (dict(lr=0.02), "lr"), (dict(optimizer="sgd"), "optimizer"),
+    (dict(precision="mixed"), "precision"), (dict(data="other"), "size"),
+])
+def test_resume_refuses_a_different_run(tmp_path, change, message):
+    folder = str(tmp_path / "ckpt")
+    run(options(tmp_path, steps=3, checkpoint=folder))
+    if change.get("data") == "other":
+        change["data"] = write_npz(tmp_path / "other.npz", mlp_data(samples=50))
+    with pytest.raises(GraphoptError, match=message):
+        run(options(tmp_path, checkpoint=folder, resume=True, **change))
+
+
+def test_resume_without_checkpoint_is_an_error(tmp_path):
+    with pytest.raises(GraphoptError, match="no checkpoint"):
+        run(options(tmp_path, checkpoint=str(tmp_path / "empty"), resume=True))
