@@ -29,7 +29,7 @@ def _load(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
         raise ExecutorError(f"cannot load model {os.fspath(model)!r}: {exc}") from exc
 
 
-def _value_type(value_info: onnx.ValueInfoProto) -> tuple[np.dtype | None, list | None]:
+def value_type(value_info: onnx.ValueInfoProto) -> tuple[np.dtype | None, list | None]:
     """(numpy dtype, dims) of a tensor value_info; a dim is an int, a symbol or None."""
     if not value_info.type.HasField("tensor_type"):
         return None, None
@@ -124,7 +124,7 @@ class Session:
             for init in graph.initializer
         }
         self._input_types = {
-            vi.name: _value_type(vi) for vi in graph.input if vi.name not in self._initializers
+            vi.name: value_type(vi) for vi in graph.input if vi.name not in self._initializers
         }
         self._overridable = {vi.name for vi in graph.input if vi.name in self._initializers}
         self.input_names = list(self._input_types)
@@ -133,14 +133,19 @@ class Session:
             out for n in nodes if n.domain == MS_DOMAIN and n.op_type == "YieldOp"
             for out in n.outputs if out
         ]
-        self._known_types = {vi.name: _value_type(vi) for vi in graph.value_info}
-        self._known_types.update({vi.name: _value_type(vi) for vi in graph.output})
+        self._known_types = {vi.name: value_type(vi) for vi in graph.value_info}
+        self._known_types.update({vi.name: value_type(vi) for vi in graph.output})
         self._available = list(self._input_types) + [
             n for n in self._initializers if n not in self._input_types
         ]
         self._ordered = topological_order(nodes, self._available)
         self._plans: dict[tuple[str, ...], Plan] = {}
         self.plan()  # plan the graph outputs now: model errors surface at construction
+
+    def reseed(self, seed: int) -> None:
+        """Restart the random streams (Dropout masks) from ``seed``: a training loop reseeds
+        each step so that a resumed run draws the same masks as an uninterrupted one."""
+        self._ctx.reseed(seed)
 
     # -- planning -----------------------------------------------------------------------
     def plan(self, output_names: Sequence[str] | None = None) -> Plan:

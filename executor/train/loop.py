@@ -70,8 +70,7 @@ class StopFlag:
 
 def _reseed(session, value: int) -> None:
     """Dropout masks of step N depend on (seed, N) only: a resumed run draws the same."""
-    reseed = getattr(session, "reseed", None) or session._ctx.reseed
-    reseed(value)
+    session.reseed(value)
 
 
 class Trainer:

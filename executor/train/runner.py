@@ -15,7 +15,7 @@ import onnx
 from graphopt import modelio
 from graphopt.errors import GraphoptError
 from graphopt.executor import ExecutorError, Session
-from graphopt.executor.session import _value_type
+from graphopt.executor.session import value_type
 
 from . import checkpoint as ckpt
 from .data import Batches, load_npz
@@ -159,7 +159,7 @@ def run(opts: RunOptions, echo: Callable[[str], None] = print, *, progress_strea
     if session.numerics is not None and hasattr(session.numerics, "describe"):
         say(session.numerics.describe())
 
-    input_types = {name: _value_type(vi) for vi in graph.proto.graph.input
+    input_types = {name: value_type(vi) for vi in graph.proto.graph.input
                    if (name := vi.name) in graph.data_inputs}
     batches = Batches(arrays, graph.data_inputs, _pick(opts, defaults, "batch_size"), opts.seed,
                       input_types)
