@@ -14,6 +14,7 @@ from onnx import numpy_helper
 from .backend import select_backend
 from .context import KernelContext
 from .errors import ExecutorError, FeedError, KernelError, UnsupportedOpsError
+from .memory import MemoryGuard
 from .plan import Plan, PlannedNode, build_plan, decode_attributes, topological_order
 from .registry import MS_DOMAIN, lookup, normalize_domain
 
@@ -140,7 +141,9 @@ class Session:
         ]
         self._ordered = topological_order(nodes, self._available)
         self._plans: dict[tuple[str, ...], Plan] = {}
-        self.plan()  # plan the graph outputs now: model errors surface at construction
+        self._memory = MemoryGuard(self)
+        # plan the graph outputs now: model errors (and plans that cannot fit) surface here
+        self._memory.check_plan(self.plan())
 
     def reseed(self, seed: int) -> None:
         """Restart the random streams (Dropout masks) from ``seed``: a training loop reseeds
@@ -225,6 +228,7 @@ class Session:
         """
         plan = self.plan(output_names)
         checked = self._check_feeds(feeds, plan)
+        self._memory.check_run(plan, checked)  # refuse what cannot fit before any node runs
         values: list[Any] = [None] * plan.num_slots
         for name, slot in plan.slot_of.items():
             if plan.last_use[name] >= 0 or name in plan.fetches:

@@ -14,6 +14,11 @@ NOT_FOLDED = frozenset({"Constant", "RandomNormal", "RandomNormalLike", "RandomU
                         "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"})
 
 
+# onnx.reference evaluates these with their opset-13 semantics whatever the opset (before 13
+# they coerce the input to 2-D at ``axis``), so folding them there would change the values.
+REFERENCE_WRONG_BEFORE_13 = frozenset({"Softmax", "LogSoftmax", "Hardmax"})
+
+
 def _evaluate(graph, node):
     from onnx.reference import ReferenceEvaluator
 
@@ -21,6 +26,8 @@ def _evaluate(graph, node):
     if any(v is None for v in inputs.values()):
         return None
     opset = graph.model.opset(STANDARD_DOMAIN) or 1
+    if opset < 13 and node.op_type in REFERENCE_WRONG_BEFORE_13:
+        return None
     single = onnx.helper.make_graph(
         [node], "fold",
         [onnx.helper.make_tensor_value_info(n, onnx.helper.np_dtype_to_tensor_dtype(v.dtype),

@@ -39,6 +39,11 @@ def mark(graph, report) -> int:
     changes = 0
     for node_id in graph.sorted_ids():
         node = graph.nodes[node_id]
+        if node.op_type == "Constant" and not node.domain:
+            # A Constant computes nothing (no GEMM/conv to guard), and ONNX reads a Constant
+            # with a second attribute wrongly: shape inference took __backwardpass=1 as its
+            # value, the whole-model check failed and the pass was rolled back entirely.
+            continue
         marked = get_attr(node, ATTRIBUTE) == 1
         if node_id in forward and marked:
             graph.set_attribute(node_id, onnx.helper.make_attribute(ATTRIBUTE, 0))

@@ -45,6 +45,19 @@ def _base_exclusive(m):
     return single_consumer("base")(m) if _product_scaled(m) else True
 
 
+def _scale_keeps_shape(m):
+    # A [1]-shaped scale broadcast against a rank-0 tensor makes it rank 1: folding it into
+    # alpha would change the shape the MatMul (or its consumers) sees.
+    value = m.scale.value
+    if value is None or value.ndim == 0:
+        return True
+    scaled = [n for n in m.scaler.proto.input if n != m.scale.name]
+    shape = m.graph.static_shape(scaled[0]) if scaled else None
+    if shape is None:
+        return "rank of the scaled tensor is unknown and the scale has rank 1"
+    return len(shape) >= 1 or "a rank-1 scale would broadcast a rank-0 tensor to rank 1"
+
+
 def fold_scale(m):
     attrs = fused_attrs(m.base)
     attrs["alpha"] = attrs["alpha"] * _factor(m)
@@ -58,6 +71,6 @@ RULE = Rule(
     tags=("fusion", "com.microsoft"),
     match=one_of(*_alternatives()),
     where=[is_float("a", "b", reason="FusedMatMul needs float inputs"), _divisor_nonzero,
-           _base_exclusive],
+           _base_exclusive, _scale_keeps_shape],
     rewrite=fold_scale,
 )

@@ -1,0 +1,249 @@
+"""Planned peak memory: refuse a run that cannot fit, before anything executes.
+
+The estimate walks a Plan's steps the way Session.run does: initializers stay resident for
+the session's life, feeds are live from the start, each step allocates its outputs while its
+inputs are still alive, and the slots listed in ``step.release`` (built from the plan's
+last-use table) are freed after it. Tensor sizes come from static shapes (the graph's
+value_info, or ONNX shape inference); dims that stay symbolic are bound from the feed shapes
+when ``run()`` starts, before any node executes. Tensors whose size stays unknown count as
+zero, so the estimate is a lower bound: it refuses only what certainly cannot fit.
+
+Available memory: CPU, /proc/meminfo MemAvailable (else sysconf), capped by a cgroup limit
+when there is one; GPU, cupy.cuda.runtime.memGetInfo(). ``GRAPHOPT_MEMORY_LIMIT`` (bytes,
+or with a K/M/G/T suffix) replaces the device's figure; ``off`` disables the check.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import numpy as np
+import onnx
+
+from .errors import ExecutorError
+
+ENV = "GRAPHOPT_MEMORY_LIMIT"
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+class MemoryLimitError(ExecutorError):
+    """The plan's peak memory exceeds what the device has; nothing was run."""
+
+    def __init__(self, peak: int, available: int, device: str, where: str):
+        self.peak, self.available, self.device = peak, available, device
+        super().__init__(
+            f"planned peak memory {gib(peak)} exceeds the {gib(available)} available on "
+            f"{device} ({where}); nothing was run")
+
+
+def gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
+
+
+# ---- available memory ------------------------------------------------------------------
+def _parse_limit(text: str) -> int | None:
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = text[-1:] if text[-1:] in _UNITS and not text[-1:].isdigit() else ""
+    number = text[: len(text) - len(unit)] if unit else text
+    try:
+        return int(float(number) * _UNITS[unit])
+    except ValueError:
+        return None
+
+
+def _cpu_available() -> int | None:
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if available is None:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    try:  # cgroup v2: a container's limit can be far below the host's free memory
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            current = int(f.read().strip())
+        if limit != "max":
+            available = min(available, max(0, int(limit) - current))
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def _gpu_available(xp) -> int | None:
+    try:
+        free, _total = xp.cuda.runtime.memGetInfo()
+        return int(free)
+    except Exception:  # no runtime, no device: do not guess
+        return None
+
+
+def available_bytes(backend) -> int | None:
+    """Bytes the device can still give, or None when unknown (or the check is off)."""
+    override = os.environ.get(ENV)
+    if override:
+        if override.strip().lower() in ("off", "none", "0", "no"):
+            return None
+        return _parse_limit(override)
+    if getattr(backend, "is_gpu", False):
+        return _gpu_available(backend.xp)
+    return _cpu_available()
+
+
+# ---- sizes ----------------------------------------------------------------------------
+def _value_info_types(graph: onnx.GraphProto) -> dict[str, tuple[int, list]]:
+    found: dict[str, tuple[int, list]] = {}
+    for vi in [*graph.input, *graph.value_info, *graph.output]:
+        tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
+        if tt is None or not tt.elem_type or not tt.HasField("shape"):
+            continue
+        dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                for d in tt.shape.dim]
+        found[vi.name] = (tt.elem_type, dims)
+    return found
+
+
+def _itemsize(elem_type: int) -> int | None:
+    try:
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return None if dtype.kind in "OUS" else dtype.itemsize
+
+
+def _bytes(elem_type: int, dims: list, symbols: Mapping[str, int]) -> int | None:
+    size = _itemsize(elem_type)
+    if size is None:
+        return None
+    total = size
+    for d in dims:
+        if isinstance(d, str):
+            d = symbols.get(d)
+        if d is None or d < 0:
+            return None
+        total *= int(d)  # Python ints: 2**62 x 2**62 does not overflow
+    return total
+
+
+def infer_types(model: onnx.ModelProto,
+                input_shapes: Mapping[str, tuple] | None = None) -> dict[str, tuple[int, list]]:
+    """name -> (elem_type, dims) from value_info plus ONNX shape inference (with the given
+    input shapes substituted, when run() knows them)."""
+    types = _value_info_types(model.graph)
+    if input_shapes:
+        probe = onnx.ModelProto()
+        probe.CopyFrom(model)
+        del probe.graph.value_info[:]
+        for vi in probe.graph.input:
+            shape = input_shapes.get(vi.name)
+            if shape is None or not vi.type.HasField("tensor_type"):
+                continue
+            vi.type.tensor_type.ClearField("shape")
+            for d in shape:
+                vi.type.tensor_type.shape.dim.add().dim_value = int(d)
+        model = probe
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception:  # partial knowledge is fine: unknown sizes count as zero
+        return types
+    for name, value in _value_info_types(inferred.graph).items():
+        old = types.get(name)
+        if old is None or any(not isinstance(d, int) for d in old[1]):
+            types[name] = value
+    return types
+
+
+# ---- the estimate ---------------------------------------------------------------------
+def planned_peak(plan, sizes: Mapping[str, int | None], resident: int,
+                 feeds: Mapping[str, int]) -> tuple[int, int | None]:
+    """(peak bytes, index of the step where it is reached; None: before any step).
+
+    ``resident``: bytes alive all along (initializers); ``feeds``: name -> bytes of the
+    tensors handed in; ``sizes``: name -> bytes of every other tensor (None: unknown)."""
+    names = plan.names_by_slot
+    produced = {o for step in plan.steps for o in step.node.outputs if o}
+    live = resident + sum(feeds.values())
+    peak, peak_step = live, None
+    for index, step in enumerate(plan.steps):
+        for slot in step.out_slots:
+            if slot >= 0:
+                live += sizes.get(names[slot]) or 0
+        if live > peak:
+            peak, peak_step = live, index
+        for slot in step.release:
+            name = names[slot]
+            if name in feeds:
+                live -= feeds[name]
+            elif name in produced:
+                live -= sizes.get(name) or 0
+    return peak, peak_step
+
+
+class MemoryGuard:
+    """Per-session: sizes from static shapes once; re-bound from feed shapes when needed."""
+
+    def __init__(self, session):
+        self.session = session
+        self.device = session.backend.device
+        self.resident = sum(int(getattr(a, "nbytes", 0)) for a in
+                            session._initializers.values())
+        self.available = available_bytes(session.backend)
+        self.types = infer_types(session.model) if self.available is not None else {}
+        self._cache: dict[tuple, dict[str, int | None]] = {}
+        self._verdicts: dict[tuple, int] = {}
+
+    def _sizes(self, symbols: Mapping[str, int], types=None) -> dict[str, int | None]:
+        return {name: _bytes(elem, dims, symbols) for name, (elem, dims) in
+                (types or self.types).items()}
+
+    def check_plan(self, plan, where: str = "at plan time") -> None:
+        """Refuse when the static shapes alone prove the plan cannot fit."""
+        if self.available is None:
+            return
+        sizes = self._sizes({})
+        feeds = {n: sizes.get(n) or 0 for n in self.session.input_names}
+        peak, _ = planned_peak(plan, sizes, self.resident, feeds)
+        if peak > self.available:
+            raise MemoryLimitError(peak, self.available, self.device, where)
+
+    def check_run(self, plan, feeds: Mapping[str, object]) -> None:
+        """At run() start: bind dims from the feeds and refuse before any node runs."""
+        if self.available is None:
+            return
+        shapes = {n: tuple(int(d) for d in getattr(v, "shape", ())) for n, v in feeds.items()}
+        key = tuple(sorted(shapes.items()))
+        verdict = self._verdicts.get((id(plan), key))
+        if verdict is not None:  # a training loop: same plan, same shapes, every step
+            if verdict > self.available:
+                raise MemoryLimitError(verdict, self.available, self.device,
+                                       "for these feed shapes, before running")
+            return
+        sizes = self._cache.get(key)
+        if sizes is None:
+            symbols: dict[str, int] = {}
+            for name, shape in shapes.items():
+                _, dims = self.types.get(name, (None, []))
+                for d, actual in zip(dims, shape):
+                    if isinstance(d, str):
+                        symbols.setdefault(d, actual)
+            sizes = self._sizes(symbols)
+            if any(v is None for v in sizes.values()):  # still unknown: infer with shapes
+                sizes = self._sizes(symbols, infer_types(self.session.model, shapes))
+            if len(self._cache) < 64:
+                self._cache[key] = sizes
+        fed = {n: int(getattr(v, "nbytes", 0)) for n, v in feeds.items()}
+        peak, _ = planned_peak(plan, sizes, self.resident, fed)
+        if len(self._verdicts) < 256:
+            self._verdicts[(id(plan), key)] = peak
+        if peak > self.available:
+            raise MemoryLimitError(peak, self.available, self.device,
+                                   "for these feed shapes, before running")

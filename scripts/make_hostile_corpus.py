@@ -1,0 +1,260 @@
+#!/usr/bin/env python
+"""Write a corpus of broken and hostile ONNX inputs for the CLI to refuse cleanly.
+
+    python scripts/make_hostile_corpus.py OUTDIR
+
+Every case lives in its own folder ``OUTDIR/<case>/`` (so external-data cases have a folder
+of their own) and the model path to give the CLI is ``OUTDIR/<case>/model.onnx``. A file
+outside every case folder, ``OUTDIR/outside/secret.bin``, is the sentinel that cases with
+external data escaping their folder point at: a tool that reads it has read outside the
+model's folder. ``OUTDIR/manifest.json`` lists the cases: name, model path (relative to
+OUTDIR), what is wrong, and ``escapes`` (true when the case points outside its folder).
+
+Expected of graphopt for every case: exit code 1, one line on stderr starting with
+"graphopt: error:", no traceback, nothing written, nothing read outside the model's folder.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FIXTURE = os.path.join(HERE, os.pardir, "tests", "fixtures", "mqa_opset17.onnx")
+SENTINEL = os.path.join("outside", "secret.bin")
+MS = "com.microsoft"
+
+
+def _small_model(nodes=None, inits=(), opset=17, extra_opsets=(), inputs=None, outputs=None,
+                 value_info=()) -> onnx.ModelProto:
+    nodes = nodes if nodes is not None else [
+        helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")]
+    inputs = inputs if inputs is not None else [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])]
+    outputs = outputs if outputs is not None else [
+        helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])]
+    if not inits and any("W" in n.input for n in nodes):
+        inits = [numpy_helper.from_array(np.ones((4, 4), np.float32), "W")]
+    graph = helper.make_graph(nodes, "hostile", inputs, outputs, initializer=list(inits),
+                              value_info=list(value_info))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset),
+                                                    *extra_opsets])
+    model.ir_version = 8
+    return model
+
+
+def _external(location: str, offset: int | str = 0, length: int | str = 64,
+              dims=(4, 4)) -> onnx.ModelProto:
+    """A model whose weight W lives in external data at ``location``."""
+    model = _small_model()
+    weight = model.graph.initializer[0]
+    weight.ClearField("raw_data")
+    weight.ClearField("float_data")
+    del weight.dims[:]
+    weight.dims.extend(dims)
+    weight.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", str(offset)),
+                       ("length", str(length))):
+        entry = weight.external_data.add()
+        entry.key, entry.value = key, value
+    return model
+
+
+class Corpus:
+    def __init__(self, root: str):
+        self.root = os.path.abspath(root)
+        self.cases: list[dict] = []
+
+    def folder(self, name: str) -> str:
+        path = os.path.join(self.root, name)
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    def add(self, name: str, what: str, data: bytes | onnx.ModelProto | None = None,
+            escapes: bool = False, extra: dict[str, bytes] | None = None) -> str:
+        folder = self.folder(name)
+        model_path = os.path.join(folder, "model.onnx")
+        if isinstance(data, onnx.ModelProto):
+            data = data.SerializeToString()
+        if data is not None:
+            with open(model_path, "wb") as f:
+                f.write(data)
+        for rel, content in (extra or {}).items():
+            with open(os.path.join(folder, rel), "wb") as f:
+                f.write(content)
+        self.cases.append({"name": name, "model": os.path.relpath(model_path, self.root),
+                           "what": what, "escapes": escapes})
+        return model_path
+
+    def write_manifest(self) -> None:
+        with open(os.path.join(self.root, "manifest.json"), "w") as f:
+            json.dump({"sentinel": SENTINEL, "cases": self.cases}, f, indent=1)
+
+
+def _still_valid(data: bytes) -> bool:
+    proto = onnx.ModelProto()
+    try:
+        proto.ParseFromString(data)
+        onnx.checker.check_model(proto)
+    except Exception:
+        return False
+    return True
+
+
+def make(root: str, truncations: int = 24) -> Corpus:
+    """Write the corpus under ``root``; ``truncations``: how many evenly spaced cut points of
+    the real model (besides a few fixed ones near both ends)."""
+    if os.path.exists(root):
+        shutil.rmtree(root)
+    corpus = Corpus(root)
+    os.makedirs(os.path.join(corpus.root, "outside"))
+    with open(os.path.join(corpus.root, SENTINEL), "wb") as f:
+        f.write(np.arange(16, dtype=np.float32).tobytes() * 64)
+
+    # ---- not ONNX at all -------------------------------------------------------------
+    corpus.add("empty_file", "empty file", b"")
+    for seed in range(5):
+        rng = np.random.default_rng(seed)
+        size = int(rng.integers(1, 4096))
+        corpus.add(f"random_bytes_{seed}", f"{size} random bytes (seed {seed})",
+                   rng.integers(0, 256, size, dtype=np.uint8).tobytes())
+    corpus.add("text_file", "a text file", b"this is not an onnx model\n" * 10)
+    corpus.add("other_protobuf", "a serialized TensorProto, not a ModelProto",
+               numpy_helper.from_array(np.ones((3, 3), np.float32), "t").SerializeToString())
+
+    # ---- truncated real model ------------------------------------------------------------
+    with open(FIXTURE, "rb") as f:
+        real = f.read()
+    offsets = sorted({1, 2, 3, 7, 16, 64, 256, 1024, len(real) - 1, len(real) - 2,
+                      *[len(real) * k // truncations for k in range(1, truncations)]})
+    for offset in offsets:
+        data = real[:offset]
+        if _still_valid(data):
+            continue  # cut on a field boundary into a smaller valid model: not hostile
+        corpus.add(f"truncated_{offset:07d}", f"mqa_opset17.onnx cut at byte {offset} "
+                   f"of {len(real)}", data)
+
+    # ---- structurally broken graphs ----------------------------------------------------
+    corpus.add("opset_999", "default-domain opset 999", _small_model(opset=999))
+    corpus.add("opset_0", "default-domain opset 0", _small_model(opset=0))
+    no_opset = _small_model()
+    del no_opset.opset_import[:]
+    corpus.add("no_opset_import", "no opset_import at all", no_opset)
+    future_ir = _small_model()
+    future_ir.ir_version = 99
+    corpus.add("ir_version_99", "ir_version 99", future_ir)
+    corpus.add("unknown_domain_op", "op of a domain that has no opset_import",
+               _small_model([helper.make_node("Boom", ["x"], ["y"], domain="com.evil")]))
+    corpus.add("unknown_standard_op", "op that does not exist in the default domain",
+               _small_model([helper.make_node("NotAnOp", ["x"], ["y"])]))
+    corpus.add("dangling_input", "node reads a tensor nothing defines",
+               _small_model([helper.make_node("Add", ["x", "ghost"], ["y"])]))
+    corpus.add("dangling_output", "graph output nothing produces",
+               _small_model([helper.make_node("Relu", ["x"], ["r"])]))
+    corpus.add("duplicate_output_names", "two nodes produce the same tensor",
+               _small_model([helper.make_node("Relu", ["x"], ["y"]),
+                             helper.make_node("Neg", ["x"], ["y"])]))
+    corpus.add("cycle", "a -> b -> a",
+               _small_model([helper.make_node("Add", ["x", "b"], ["a"]),
+                             helper.make_node("Relu", ["a"], ["b"]),
+                             helper.make_node("Relu", ["b"], ["y"])]))
+    corpus.add("self_loop", "a node reads its own output",
+               _small_model([helper.make_node("Add", ["x", "y"], ["y"])]))
+    corpus.add("wrong_attribute_type", "Transpose perm given as a float",
+               _small_model([helper.make_node("Transpose", ["x"], ["y"], perm=1.5)]))
+    corpus.add("if_without_branches", "If node without then/else graphs",
+               _small_model([helper.make_node("If", ["c"], ["y"])],
+                            inputs=[helper.make_tensor_value_info("c", TensorProto.BOOL, [])]))
+    contradiction = _small_model(
+        [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Relu", ["r"], ["y1"]),
+         helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0]),
+         helper.make_node("Transpose", ["t"], ["y"], perm=[1, 0])],
+        outputs=[helper.make_tensor_value_info("y1", TensorProto.FLOAT, [2, 4]),
+                 helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        value_info=[helper.make_tensor_value_info("r", TensorProto.FLOAT, [7, 7])])
+    corpus.add("value_info_contradicts_graph",
+               "passes onnx.checker, fails strict shape inference (value_info [7,7] for a "
+               "[2,4] tensor) while a rule fires elsewhere", contradiction)
+
+    # ---- huge declared sizes -----------------------------------------------------------
+    huge = _small_model()
+    weight = huge.graph.initializer[0]
+    del weight.dims[:]
+    weight.dims.extend([2**62, 2**62])
+    corpus.add("huge_initializer_dims", "initializer dims [2**62, 2**62], 64 bytes of data",
+               huge)
+    huge1 = _small_model()
+    weight = huge1.graph.initializer[0]
+    del weight.dims[:]
+    weight.dims.extend([2**62])
+    corpus.add("huge_initializer_dim", "initializer dims [2**62], 64 bytes of data", huge1)
+    negative = _small_model()
+    del negative.graph.initializer[0].dims[:]
+    negative.graph.initializer[0].dims.extend([-4, -4])
+    corpus.add("negative_initializer_dims", "initializer dims [-4, -4]", negative)
+    corpus.add("huge_external_dims", "external initializer declared [2**62, 2**62]",
+               _external("w.bin", dims=(2**62, 2**62), length=64),
+               extra={"w.bin": b"\0" * 64})
+
+    # ---- external data -------------------------------------------------------------
+    sentinel_rel = os.path.join(os.pardir, SENTINEL)
+    corpus.add("external_parent_escape", "external data at ../outside/secret.bin (exists)",
+               _external(sentinel_rel), escapes=True)
+    corpus.add("external_etc_passwd", "external data at ../../../../../../etc/passwd",
+               _external("../../../../../../etc/passwd"), escapes=True)
+    corpus.add("external_absolute_sentinel", "external data at the sentinel's absolute path",
+               _external(os.path.join(corpus.root, SENTINEL)), escapes=True)
+    corpus.add("external_absolute_etc", "external data at /etc/passwd",
+               _external("/etc/passwd"), escapes=True)
+    corpus.add("external_traversal_via_subdir", "external data at sub/../../outside/secret.bin",
+               _external(os.path.join("sub", os.pardir, sentinel_rel)), escapes=True)
+    path = corpus.add("external_symlink_escape", "w.bin in the folder is a symlink to the "
+                      "sentinel outside", _external("w.bin"), escapes=True)
+    os.symlink(os.path.join(corpus.root, SENTINEL), os.path.join(os.path.dirname(path), "w.bin"))
+    corpus.add("external_missing_file", "external data file does not exist",
+               _external("missing.bin"))
+    corpus.add("external_offset_beyond_file", "offset 4096 in a 64-byte file",
+               _external("w.bin", offset=4096), extra={"w.bin": b"\0" * 64})
+    corpus.add("external_length_beyond_file", "length 1 MiB in a 64-byte file",
+               _external("w.bin", length=1 << 20), extra={"w.bin": b"\0" * 64})
+    corpus.add("external_length_mismatch", "length 32 for a [4,4] float tensor (64 bytes)",
+               _external("w.bin", length=32), extra={"w.bin": b"\0" * 64})
+    corpus.add("external_offset_not_a_number", "offset 'abc'",
+               _external("w.bin", offset="abc"), extra={"w.bin": b"\0" * 64})
+    corpus.add("external_negative_offset", "offset -64",
+               _external("w.bin", offset=-64), extra={"w.bin": b"\0" * 64})
+    corpus.add("external_empty_location", "external data with location ''",
+               _external(""))
+    path = corpus.add("external_location_is_directory", "external data location is a folder",
+                      _external("weights"))
+    os.makedirs(os.path.join(os.path.dirname(path), "weights"))
+
+    # ---- not a file ----------------------------------------------------------------
+    path = corpus.add("directory_instead_of_file", "model.onnx is a directory")
+    os.makedirs(path)
+    path = corpus.add("symlink_loop", "model.onnx -> loop.onnx -> model.onnx")
+    os.symlink("loop.onnx", path)
+    os.symlink("model.onnx", os.path.join(os.path.dirname(path), "loop.onnx"))
+    path = corpus.add("dangling_symlink", "model.onnx -> a file that does not exist")
+    os.symlink("nowhere.onnx", path)
+    corpus.add("missing_file", "model.onnx does not exist")
+    corpus.write_manifest()
+    return corpus
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[1] in ("-h", "--help"):
+        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
+        return 2
+    corpus = make(argv[1])
+    print(f"wrote {len(corpus.cases)} hostile inputs to {corpus.root}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
