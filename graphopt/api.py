@@ -75,13 +75,30 @@ def optimize_loaded(model: Model, rules: list, *, explain: Iterable[str] = ()):
         check_start = time.perf_counter()
         try:
             validate(model)
-        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+        except INVALID as exc:
+            reason = _why_invalid(original, model.path)
+            if reason is not None:  # the input was already broken, not made so by a rule
+                raise GraphoptError(f"{model.path or 'model'}: invalid ONNX model: {reason}")
             model, report = _replay_carefully(original, model.path, rules, explain, exc)
         report.validation_seconds = time.perf_counter() - check_start
         report.validated = True
     report.nodes_after = len(model.graph.nodes)
     report.seconds = time.perf_counter() - start
     return model.flush(), report
+
+
+INVALID = (onnx.checker.ValidationError, onnx.shape_inference.InferenceError)
+
+
+def _why_invalid(original: bytes, path) -> str | None:
+    """Why the unmodified input fails the whole-model check, or None if it passes."""
+    proto = onnx.ModelProto()
+    proto.ParseFromString(original)
+    try:
+        validate(Model(proto, path))
+    except INVALID as exc:
+        return str(exc).strip().splitlines()[0]
+    return None
 
 
 def _replay_carefully(original: bytes, path, rules, explain, first_error):
@@ -95,7 +112,12 @@ def _replay_carefully(original: bytes, path, rules, explain, first_error):
                            f"({str(first_error).strip().splitlines()[0]}); "
                            "replayed with a check after every rewrite")
     Engine(rules, explain=explain, validate_each=True).run(model, report)
-    validate(model)
+    try:
+        validate(model)
+    except INVALID as exc:  # a bug in a rule or the engine, not in the user's model
+        raise GraphoptError("internal error: the optimized model still fails validation "
+                            f"after a careful replay ({str(exc).strip().splitlines()[0]}); "
+                            "please report it with the model") from None
     return model, report
 
 

@@ -67,6 +67,11 @@ def _check_looks_like_onnx(proto: onnx.ModelProto, path: str | None) -> None:
         raise GraphoptError(f"{where}: not an ONNX model (no ir_version or graph)")
     if not proto.opset_import:
         raise GraphoptError(f"{where}: not an ONNX model (no opset_import)")
+    newest = onnx.defs.onnx_opset_version()
+    for opset in proto.opset_import:
+        if opset.domain in ("", "ai.onnx") and not 1 <= opset.version <= newest:
+            raise GraphoptError(f"{where}: unsupported opset {opset.version} (this onnx "
+                                f"supports 1 to {newest})")
 
 
 def _first_line(exc: Exception) -> str:
@@ -117,11 +122,45 @@ def _check_external_data(proto: onnx.ModelProto, path: str | None) -> None:
         if not os.path.isfile(target):
             raise GraphoptError(f"{path}: tensor '{tensor.name}' external data file "
                                 f"{location!r} is missing")
-        info = _external_info(tensor)
-        end = int(info.get("offset", 0)) + int(info.get("length", 0))
-        if end > os.path.getsize(target):
+        offset, length = _external_extent(tensor, path)
+        available = os.path.getsize(target) - offset
+        if length is None:
+            length = available
+        if offset + length > os.path.getsize(target):
             raise GraphoptError(f"{path}: tensor '{tensor.name}' external data runs past the "
                                 f"end of {location!r}")
+        expected = _byte_size(tensor)
+        if expected is not None and expected != length:
+            raise GraphoptError(f"{path}: tensor '{tensor.name}' declares {expected} bytes of "
+                                f"external data but {location!r} holds {length} for it")
+
+
+def _external_extent(tensor: onnx.TensorProto, path: str) -> tuple[int, int | None]:
+    info = _external_info(tensor)
+    try:
+        offset = int(info.get("offset", 0))
+        length = int(info["length"]) if "length" in info else None
+    except ValueError:
+        raise GraphoptError(f"{path}: tensor '{tensor.name}' has a non-numeric external data "
+                            "offset or length") from None
+    if offset < 0 or (length is not None and length < 0):
+        raise GraphoptError(f"{path}: tensor '{tensor.name}' has a negative external data "
+                            "offset or length")
+    return offset, length
+
+
+def _byte_size(tensor: onnx.TensorProto) -> int | None:
+    """Bytes the tensor's dims and type need, or None for types without a fixed size."""
+    try:
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    except (KeyError, TypeError, ValueError):
+        return None
+    if tensor.data_type == onnx.TensorProto.STRING:
+        return None
+    count = 1
+    for dim in tensor.dims:
+        count *= dim
+    return count * itemsize
 
 
 def check_output_path(out: str, source: str | None, in_place: bool) -> None:

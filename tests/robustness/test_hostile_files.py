@@ -45,24 +45,6 @@ CASES = {case["name"]: case for case in CORPUS.cases}
 
 # Known, open bugs (strict: fixing one makes its test fail until the entry is removed).
 OPTIMIZE_BUGS = {
-    "value_info_contradicts_graph":
-        "BUG (graphopt/api.py): the input passes onnx.checker but not strict shape "
-        "inference; the final validation and the careful replay fail and onnx InferenceError "
-        "escapes as a traceback (see test_regressions.py)",
-    "opset_999":
-        "BUG (graphopt/modelio.py load): a default-domain opset newer than onnx knows (999) "
-        "is accepted and the model is rewritten and written; refuse opsets above "
-        "onnx.defs.onnx_opset_version()",
-    "huge_external_dims":
-        "BUG (graphopt/modelio.py _check_external_data): an external tensor declared "
-        "[2**62, 2**62] with 64 bytes of data is accepted (and copied to the output); check "
-        "length == prod(dims) * itemsize (no overflow) for every external tensor",
-    "external_length_mismatch":
-        "BUG (graphopt/modelio.py _check_external_data): length 32 for a [4,4] float tensor "
-        "is accepted and written out; check length == prod(dims) * itemsize",
-    "external_offset_not_a_number":
-        "BUG (graphopt/modelio.py _check_external_data): int('abc') raises ValueError, "
-        "a traceback; parse offset/length inside a try and refuse non-integers and negatives",
 }
 # `graphopt run` is being written while these tests are: what it got wrong when they were
 # written, as non-strict xfails (a fix shows up as XPASS; then drop the entry).
