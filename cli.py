@@ -148,16 +148,30 @@ class _OneLineUsageErrors(click.Command):
               help="Write the trained model (forward graph, trained weights).")
 @click.option("--in-place", is_flag=True, help="Allow -o to overwrite the input model.")
 @click.option("-q", "--quiet", is_flag=True, help="Only errors and the interruption notice.")
+@click.option("--distributed", is_flag=True,
+              help="Data parallel over the ranks of mpirun/mpiexec/srun (needs mpi4py); "
+                   "--batch-size is the global batch, split evenly across the ranks.")
+@click.option("--bucket-mb", type=float, metavar="MIB",
+              help="Gradient all-reduce bucket size with --distributed (default 25).")
+@click.option("--dist-timeout", type=float, metavar="SECONDS",
+              help="Abort the job when a rank is this late for a collective (default 300).")
+@click.option("--dist-check-every", type=click.IntRange(min=0), metavar="K",
+              help="Check that every rank holds the same weights every K steps (default 0: "
+                   "never).")
+@click.option("--dist-overlap/--no-dist-overlap", default=None,
+              help="All-reduce gradient buckets during the backward pass (default) or after.")
 @user_errors
 def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer, lr,
         weight_decay, precision, loss_scale, device, numerics, level, freeze, train_, disable,
         seed, save_graph, checkpoint, checkpoint_every, resume, log_file, plot, denormal_report,
-        output, in_place, quiet):
+        output, in_place, quiet, distributed, bucket_mb, dist_timeout, dist_check_every,
+        dist_overlap):
     """Train MODEL (or a built-in --example) with the graphopt executor.
 
     \b
     graphopt run --example mqa
     graphopt run model.onnx --data train.npz --loss cross_entropy --epochs 3 -o trained.onnx
+    mpiexec -n 4 graphopt run --example mqa --distributed --batch-size 64
     """
     from graphopt.executor.train import RunOptions
     from graphopt.executor.train import run as run_training
@@ -169,7 +183,9 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
         numerics=numerics, level=level, freeze=freeze, train=train_, disable=disable,
         seed=seed, save_graph=save_graph, checkpoint=checkpoint,
         checkpoint_every=checkpoint_every, resume=resume, log=log_file, plot=plot,
-        denormal_report=denormal_report, output=output, overwrite_input=in_place, quiet=quiet)
+        denormal_report=denormal_report, output=output, overwrite_input=in_place, quiet=quiet,
+        distributed=distributed, bucket_mb=bucket_mb, dist_timeout=dist_timeout,
+        dist_check_every=dist_check_every, dist_overlap=dist_overlap)
     outcome = run_training(options, echo=click.echo)
     if outcome.result.interrupted:
         sys.exit(130)

@@ -88,6 +88,7 @@ class Trainer:
         self.fetches = list(graph.losses) + [graph.grads[p] for p in graph.params]
         self._loss_feeds = self._loss_gradient_templates()
         self._last_checkpoint: str | None = None
+        self.stop_flag: StopFlag | None = None   # set while run() runs
 
     # -- setup --------------------------------------------------------------------------------
     def _loss_gradient_templates(self) -> list[tuple[str, tuple, np.dtype]]:
@@ -106,8 +107,12 @@ class Trainer:
             templates.append((grad, None if dims is None or None in dims else tuple(dims), dtype))
         return templates
 
+    def _read_checkpoint(self, directory: str) -> ckpt.Checkpoint:
+        """Hook: a distributed run reads on rank 0 and broadcasts."""
+        return ckpt.load(directory)
+
     def resume_from(self, directory: str) -> None:
-        state = ckpt.load(directory)
+        state = self._read_checkpoint(directory)
         if list(state.params) != list(self.params):
             raise GraphoptError(f"checkpoint in {directory} trains {list(state.params)[:4]}..., "
                                 f"this run trains {list(self.params)[:4]}...; not the same model")
@@ -170,16 +175,9 @@ class Trainer:
         # FP16 overflow is expected while a loss scale searches for its level: the step is
         # detected below and skipped, so numpy's warnings about it are noise
         with np.errstate(over="ignore", invalid="ignore"):
-            out = self.session.run(feeds, self.fetches)
+            out = self._run_graph(feeds)
         loss = float(sum(np.sum(out[name], dtype=np.float64) for name in self.graph.losses))
-        grads = {}
-        finite = True
-        for param in self.graph.params:
-            grad = out[self.graph.grads[param]].astype(np.float32)
-            if scale != 1.0:
-                grad /= np.float32(scale)
-            finite = finite and bool(np.isfinite(grad).all())
-            grads[param] = grad
+        loss, grads, finite = self._gradients(out, scale, loss)
         scale_used = scale
         applied = self.scaler.update(not finite)
         if applied:
@@ -192,12 +190,33 @@ class Trainer:
         self.history.append(record)
         return record
 
+    # -- hooks a distributed trainer overrides (see .distributed) ---------------------------
+    def _run_graph(self, feeds: dict) -> dict:
+        return self.session.run(feeds, self.fetches)
+
+    def _gradients(self, out: dict, scale: float, loss: float
+                   ) -> tuple[float, dict[str, np.ndarray], bool]:
+        """(loss, float32 unscaled gradients, all finite) of one step's graph outputs."""
+        grads = {}
+        finite = True
+        for param in self.graph.params:
+            grad = out[self.graph.grads[param]].astype(np.float32)
+            if scale != 1.0:
+                grad /= np.float32(scale)
+            finite = finite and bool(np.isfinite(grad).all())
+            grads[param] = grad
+        return loss, grads, finite
+
+    def _stop_requested(self, stop: StopFlag) -> bool:
+        return stop.requested
+
     # -- the loop -------------------------------------------------------------------------
     def run(self) -> TrainResult:
         settings = self.settings
         interrupted = False
         items = self.batches.batch_size
         with StopFlag() as stop:
+            self.stop_flag = stop
             while self.step < settings.total_steps:
                 record = self.train_step()
                 if self.log is not None:
@@ -209,7 +228,7 @@ class Trainer:
                     self.after_step(self.step, record)
                 if settings.checkpoint_dir and self._checkpoint_due():
                     self.save_checkpoint(settings.checkpoint_dir)
-                if stop.requested and self.step < settings.total_steps:
+                if self._stop_requested(stop) and self.step < settings.total_steps:
                     interrupted = True
                     break
         if self.progress is not None:

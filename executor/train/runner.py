@@ -18,6 +18,7 @@ from graphopt.executor import ExecutorError, Session
 from graphopt.executor.session import value_type
 
 from . import checkpoint as ckpt
+from . import distributed
 from .data import Batches, load_npz
 from .export import plot_losses, require_matplotlib, save_model, trained_model
 from .loop import LoopSettings, Trainer, TrainResult
@@ -62,6 +63,12 @@ class RunOptions:
     output: str | None = None
     overwrite_input: bool = False
     quiet: bool = False
+    # data parallel (issue 8; see .distributed): None means the default
+    distributed: bool = False
+    bucket_mb: float | None = None        # MiB per gradient all-reduce bucket (25)
+    dist_timeout: float | None = None     # seconds a collective may wait (300)
+    dist_check_every: int | None = None   # compare weight checksums every K steps (0: never)
+    dist_overlap: bool | None = None      # all-reduce during the backward pass (True)
 
 
 @dataclass
@@ -131,6 +138,30 @@ def _pick(opts: RunOptions, defaults: dict, name: str):
 
 def run(opts: RunOptions, echo: Callable[[str], None] = print, *, progress_stream=None,
         after_step=None) -> RunOutcome:
+    dist = distributed.start(opts.distributed, opts.bucket_mb, opts.dist_timeout,
+                             opts.dist_check_every, opts.dist_overlap)
+    if dist is None:
+        return _run(opts, echo, progress_stream, after_step, None)
+    if not dist.writer:
+        echo = _silent   # rank 0 speaks for the job; the others only report their errors
+    try:
+        return _run(opts, echo, progress_stream, after_step, dist)
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        if dist.size == 1:
+            raise
+        dist.comm.fail(exc)   # abort the job: the other ranks would only wait for this one
+        raise
+
+
+def _silent(_text: str) -> None:
+    pass
+
+
+def _run(opts: RunOptions, echo, progress_stream, after_step,
+         dist: distributed.Distributed | None) -> RunOutcome:
+    writer = dist is None or dist.writer
     say = (lambda _text: None) if opts.quiet else echo
     precision = check_precision(opts.precision)
     forward, arrays, defaults, source = _resolve_source(opts)
@@ -146,10 +177,12 @@ def run(opts: RunOptions, echo: Callable[[str], None] = print, *, progress_strea
     for title, report in graph.reports:
         say(f"== {title}")
         say(report.format_table())
-    if opts.save_graph:
+    if opts.save_graph and writer:
         save_model(graph.proto, opts.save_graph)
         say(f"wrote the training graph to {opts.save_graph}")
 
+    if dist is not None:
+        distributed.bind_device(opts.device, dist.comm)
     try:
         session = Session(graph.proto, device=opts.device, numerics=opts.numerics,
                           training=True, seed=opts.seed,
@@ -161,18 +194,30 @@ def run(opts: RunOptions, echo: Callable[[str], None] = print, *, progress_strea
 
     input_types = {name: value_type(vi) for vi in graph.proto.graph.input
                    if (name := vi.name) in graph.data_inputs}
-    batches = Batches(arrays, graph.data_inputs, _pick(opts, defaults, "batch_size"), opts.seed,
-                      input_types)
+    if dist is None:
+        batches = Batches(arrays, graph.data_inputs, _pick(opts, defaults, "batch_size"),
+                          opts.seed, input_types)
+    else:
+        batches = distributed.ShardedBatches(arrays, graph.data_inputs,
+                                             _pick(opts, defaults, "batch_size"), opts.seed,
+                                             input_types, dist.rank, dist.size)
     if batches.ignored:
         say(f"note: data arrays not read by the graph: {batches.ignored}")
     total = _total_steps(opts, defaults, batches)
     settings = LoopSettings(total, precision, opts.seed, opts.checkpoint, opts.checkpoint_every,
                             INTERRUPT_DIR)
-    log = StepLog(opts.log, append=opts.resume) if opts.log else None
-    progress = None if opts.quiet else Progress(total, unit="samples", stream=progress_stream,
-                                                echo=echo)
-    trainer = Trainer(graph, session, batches, optimizer, scaler, settings, progress=progress,
-                      log=log, echo=echo, after_step=after_step)
+    log = StepLog(opts.log, append=opts.resume) if opts.log and writer else None
+    progress = None if opts.quiet or not writer else Progress(
+        total, unit="samples", stream=progress_stream, echo=echo)
+    common = dict(progress=progress, log=log, echo=echo, after_step=after_step)
+    if dist is None:
+        trainer = Trainer(graph, session, batches, optimizer, scaler, settings, **common)
+    else:
+        trainer = distributed.DistributedTrainer(graph, session, batches, optimizer, scaler,
+                                                 settings, comm=dist.comm, dist=dist.settings,
+                                                 **common)
+        trainer.check_same_settings(distributed.fingerprint(trainer, scaler.state()))
+        say(trainer.describe())
     if opts.resume:
         trainer.resume_from(opts.checkpoint)
         if progress is not None:
@@ -191,7 +236,8 @@ def run(opts: RunOptions, echo: Callable[[str], None] = print, *, progress_strea
         if log is not None:
             log.close()
     outcome = RunOutcome(graph, result, session, forward)
-    _finish(opts, outcome, say, echo)
+    if writer:
+        _finish(opts, outcome, say, echo)
     return outcome
 
 
