@@ -97,7 +97,13 @@ def _resolve_source(opts: RunOptions):
         raise GraphoptError(f"{opts.model}: no such file")
     if opts.data is None:
         raise GraphoptError("--data FILE.npz is required to train a model file")
-    return modelio.load(opts.model, check=False).proto, load_npz(opts.data), {}, opts.model
+    model = modelio.load(opts.model)  # the same checks as optimize: one-line errors, no escapes
+    proto = model.proto
+    if model.base_dir:  # training needs the weights themselves, wherever they are stored
+        from onnx.external_data_helper import load_external_data_for_model
+
+        load_external_data_for_model(proto, model.base_dir)
+    return proto, load_npz(opts.data), {}, opts.model
 
 
 def _check_outputs(opts: RunOptions, source: str | None) -> None:

@@ -44,27 +44,8 @@ CORPUS = corpus_module.make(os.path.join(_BUILD_DIR, "corpus"),
 CASES = {case["name"]: case for case in CORPUS.cases}
 
 # Known, open bugs (strict: fixing one makes its test fail until the entry is removed).
-OPTIMIZE_BUGS = {
-}
-# `graphopt run` is being written while these tests are: what it got wrong when they were
-# written, as non-strict xfails (a fix shows up as XPASS; then drop the entry).
-_RUN_SKIPS_CHECKS = ("BUG (executor/train, cli.py run): `graphopt run` does not load the model "
-                     "through graphopt.modelio.load, so onnx's ValidationError escapes as a "
-                     "traceback: ")
-RUN_BUGS = {name: _RUN_SKIPS_CHECKS + why for name, why in {
-    "opset_0": "opset 0", "ir_version_99": "ir_version 99",
-    "huge_initializer_dims": "dims product overflow", "huge_initializer_dim": "huge dim",
-    "negative_initializer_dims": "negative dims",
-    "huge_external_dims": "huge external dims", "external_parent_escape": "../ escape",
-    "external_etc_passwd": "../../etc/passwd", "external_absolute_sentinel": "absolute path",
-    "external_absolute_etc": "absolute path", "external_traversal_via_subdir": "sub/../..",
-    "external_symlink_escape": "symlink escape", "external_missing_file": "missing file",
-    "external_offset_beyond_file": "offset past the end",
-    "external_length_beyond_file": "length past the end",
-    "external_length_mismatch": "length mismatch", "external_offset_not_a_number": "offset abc",
-    "external_negative_offset": "negative offset", "external_empty_location": "empty location",
-    "external_location_is_directory": "location is a folder",
-}.items()}
+OPTIMIZE_BUGS: dict[str, str] = {}
+RUN_BUGS: dict[str, str] = {}  # same convention as OPTIMIZE_BUGS
 
 
 def _listing(folder: str) -> dict[str, tuple]:
@@ -181,7 +162,7 @@ def test_optimize_reads_nothing_outside_the_model_folder(optimize_results):
     assert not read, "some `graphopt optimize` run read the sentinel outside the model folders"
 
 
-@pytest.mark.parametrize("name", _params(RUN_BUGS, strict=False))
+@pytest.mark.parametrize("name", _params(RUN_BUGS))
 def test_run_refuses_hostile_file(run_results, name):
     _check(run_results[0][name], CASES[name])
 
