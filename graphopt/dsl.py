@@ -93,10 +93,11 @@ class _OpBuilder:
         return builder
 
     def _builder(self, op_type: str):
+        domain = self._domain
+        commutative = op_type in COMMUTATIVE_OPS and domain == ""
 
         def build(*inputs, _name: str | None = None, _outputs: int = 1, **attrs):
-            expr = OpExpr(op_type, self._domain, tuple(inputs), attrs, _name, _outputs,
-                          commutative=op_type in COMMUTATIVE_OPS and self._domain == "")
+            expr = OpExpr(op_type, domain, inputs, attrs, _name, _outputs, commutative)
             if _outputs == 1:
                 return expr
             return tuple(OpOutput(expr, i) for i in range(_outputs))
@@ -193,9 +194,10 @@ def is_float(*names: str, reason: str | None = None) -> Callable:
     """The element type shared by these tensors (one known suffices) is a float type."""
 
     def constraint(m):
+        graph = m.graph
         for infer in (False, True):  # cheap lookups for all names before any inference
             for name in names:
-                elem = m.graph.elem_type(getattr(m, name).name, infer=infer)
+                elem = graph.elem_type(getattr(m, name).name, infer=infer)
                 if elem is not None:
                     return True if elem in FLOAT_TYPES else (
                         reason or f"'{name}' has element type {elem}, not a float type")

@@ -19,7 +19,7 @@ from onnx import numpy_helper
 
 from .dsl import NewConstant, OpExpr, OpOutput, Pass, Rule
 from .errors import GraphoptError, RewriteRejected
-from .ir import MS_DOMAIN, STANDARD_DOMAIN, Graph, Model, get_attr, normalize_domain
+from .ir import MS_DOMAIN, STANDARD_DOMAIN, Graph, Model, get_attr
 from .match import CompiledPattern, Match, Miss, TensorView
 from .report import Report
 
@@ -87,45 +87,59 @@ class Engine:
                       budget: int) -> int:
         if not rules:
             return 0
-        by_anchor: dict[tuple[str, str], list[Rule]] = {}
+        # (domain, op_type) -> (rule, compiled pattern, stats, explained?) for the rules
+        # anchored there, everything the loop below needs per candidate
+        by_anchor: dict[tuple[str, str], list[tuple]] = {}
         for rule in rules:
-            for key in self._compiled[id(rule)].anchor_types:
-                by_anchor.setdefault(key, []).append(rule)
+            compiled = self._compiled[id(rule)]
+            entry = (rule, compiled, report.stats(rule), rule.name in self.explain)
+            for key in compiled.anchor_types:
+                by_anchor.setdefault(key, []).append(entry)
         candidates = sorted({node_id for key in by_anchor for node_id in graph.by_type.get(key, ())},
                             key=graph.order.__getitem__)
         queue = deque(candidates)
         queued = set(candidates)
+        op_keys = graph.op_keys
         rewrites = 0
-        stats = {id(r): report.stats(r) for r in rules}
         tried: set = set()  # (rule, tensor) fan-out anchors that failed since the last rewrite
         while queue:
             node_id = queue.popleft()
             queued.discard(node_id)
-            node = graph.nodes.get(node_id)
-            if node is None:
-                continue
-            for rule in by_anchor.get((normalize_domain(node.domain), node.op_type), ()):
-                if node_id not in graph.nodes:
+            key = op_keys.get(node_id)
+            if key is None:
+                continue  # removed by an earlier rewrite
+            for rule, compiled, rule_stats, explained in by_anchor[key]:
+                if node_id not in op_keys:
                     break
-                compiled = self._compiled[id(rule)]
-                anchor = compiled.anchor_of(graph, node_id)
-                if anchor is None:
-                    continue
-                if isinstance(anchor, str):
-                    if (id(rule), anchor) in tried:
+                if compiled.anchors_at_node:
+                    anchor = node_id
+                else:
+                    anchor = compiled.anchor_of(graph, node_id)
+                    if anchor is None:
                         continue
-                    tried.add((id(rule), anchor))
-                rule_stats = stats[id(rule)]
-                start = time.perf_counter()
+                    if isinstance(anchor, str):
+                        if (id(rule), anchor) in tried:
+                            continue
+                        tried.add((id(rule), anchor))
                 rule_stats.candidates += 1
-                touched = self._try(model, graph, rule, compiled, anchor, rule_stats)
+                if explained:
+                    viable = None  # _try runs the matcher that says why it missed
+                else:
+                    viable = compiled.viable(graph, anchor)
+                    if not viable:
+                        continue  # rejected by the pre-checks: too cheap to time
+                start = time.perf_counter()
+                touched = self._try(model, graph, rule, compiled, anchor, rule_stats, viable)
                 rule_stats.seconds += time.perf_counter() - start
                 if touched is None:
                     continue
                 rewrites += 1
-                tried.clear()
+                if tried:
+                    tried.clear()
+                # Only nodes some rule is anchored at are worth a visit; a node's op type
+                # never changes, so filtering here is the same as filtering when popped.
                 for neighbour in touched:
-                    if neighbour not in queued and neighbour in graph.nodes:
+                    if neighbour not in queued and op_keys.get(neighbour) in by_anchor:
                         queued.add(neighbour)
                         queue.append(neighbour)
                 if rewrites >= budget:
@@ -135,12 +149,23 @@ class Engine:
                     return rewrites
         return rewrites
 
-    def _try(self, model, graph, rule: Rule, compiled, anchor, stats):
-        """Match, check, rewrite; returns the node ids to revisit, or None."""
-        found = compiled.match(graph, anchor)
-        if isinstance(found, Miss):
-            self._near_miss(graph, rule, anchor, found, stats)
-            return None
+    def _try(self, model, graph, rule: Rule, compiled, anchor, stats, viable=None):
+        """Match, check, rewrite; returns the node ids to revisit, or None.
+
+        ``viable``: the full matchers worth running (see CompiledPattern.viable); None to
+        run the matcher that records why a candidate misses (rules being explained)."""
+        if viable is None:
+            found = compiled.match(graph, anchor)
+            if isinstance(found, Miss):
+                self._near_miss(graph, rule, anchor, found, stats)
+                return None
+        else:
+            for full_match in viable:
+                found = full_match(graph, anchor)
+                if not isinstance(found, Miss):
+                    break
+            else:
+                return None
         bindings, roots = found
         m = Match(graph, bindings, roots)
         for constraint in rule.where:
@@ -197,70 +222,106 @@ def _validate_model(model: Model) -> None:
 class Rewriter:
     """Turns a rule's result into graph edits inside the current transaction."""
 
+    __slots__ = ("model", "graph", "rule", "match", "new_nodes", "built", "domains",
+                 "keep_names")
+
     def __init__(self, model: Model, graph: Graph, rule: Rule, match: Match):
         self.model, self.graph, self.rule, self.match = model, graph, rule, match
-        self.new_nodes: list[onnx.NodeProto] = []
+        self.new_nodes: list[tuple[onnx.NodeProto, tuple | None]] = []  # (node, edges)
         self.built: dict[int, list[str]] = {}
-        self.domains: set[str] = set()
+        self.domains: dict[str, None] = {}  # in order of first use: deterministic imports
         self.keep_names: dict[tuple[int, int], str] = {}
 
     def apply(self, result) -> list[int]:
         graph = self.graph
-        nodes, producer, consumers = graph.nodes, graph.producer, graph.consumers
         mapping = self._mapping(result)
-        roots = list(dict.fromkeys(producer[old] for old in mapping))
-        if len(roots) > 1:
-            roots.sort(key=graph.order.__getitem__)
-        for root in roots:
-            for out in nodes[root].output:
-                if out and out not in mapping and (out in consumers or graph.is_output(out)):
-                    raise RewriteRejected(f"output '{out}' of {nodes[root].op_type} "
-                                          "would be left without a producer")
+        roots = self._roots(mapping)
+        keep_names = self.keep_names
         for old, expr in mapping.items():
             # A new tensor takes the name of the tensor it replaces: graph outputs survive
             # and the consumers downstream need no rewiring.
             key = _output_key(expr)
-            if key is not None and key not in self.keep_names:
-                self.keep_names[key] = old
+            if key is not None and key not in keep_names:
+                keep_names[key] = old
         targets = {old: self._value(expr) for old, expr in mapping.items()}
-        sticky = [attr for attr in nodes[roots[0]].attribute if attr.name in STICKY_ATTRIBUTES
-                  and all(get_attr(nodes[r], attr.name) is not None for r in roots[1:])]
+        sticky = self._sticky_attributes(roots)
         base = graph.order[roots[0]]
         removed_inputs = []
         for root in roots:
-            removed_inputs.extend(nodes[root].input)
+            removed_inputs.extend(graph.node_inputs[root])
             graph.remove_node(root)
         for old, new in targets.items():
-            if new == old:
-                continue
-            if graph.is_output(old):
-                self.new_nodes.append(onnx.helper.make_node(
-                    "Identity", [new], [old], name=self.model.names.fresh(f"{old}/Identity")))
-            else:
-                for consumer in graph.consumers_of(old):
-                    for i, name in enumerate(nodes[consumer].input):
-                        if name == old:
-                            graph.replace_input(consumer, i, new)
+            if new != old:
+                self._redirect(old, new)
         new_ids = []
-        for i, node in enumerate(self.new_nodes):
+        for i, (node, edges) in enumerate(self.new_nodes):
             if sticky:
                 node.attribute.extend(sticky)
-            new_ids.append(graph.add_node(node, base + (i,)))
+            new_ids.append(graph.add_node(node, base + (i,), edges))
         self._check(new_ids, targets)
         dead = graph.remove_dead(removed_inputs)
         for domain in self.domains:
             self.model.ensure_opset(domain, 1)
+        return self._neighbourhood(new_ids, dead)
+
+    def _roots(self, mapping: dict) -> list[int]:
+        """The nodes producing the replaced tensors, in graph order; each must be replaced
+        whole (an output left out must be unused)."""
+        graph = self.graph
+        producer, consumers, protected = graph.producer, graph.consumers, graph.protected
+        if len(mapping) == 1:
+            roots = [producer[old] for old in mapping]
+        else:
+            roots = list(dict.fromkeys([producer[old] for old in mapping]))
+            roots.sort(key=graph.order.__getitem__)
+        for root in roots:
+            for out in graph.node_outputs[root]:
+                if out and out not in mapping and (out in consumers or out in protected):
+                    raise RewriteRejected(f"output '{out}' of {graph.nodes[root].op_type} "
+                                          "would be left without a producer")
+        return roots
+
+    def _sticky_attributes(self, roots: list[int]) -> list[onnx.AttributeProto]:
+        """Sticky attributes of the first root that every other root carries too."""
+        nodes = self.graph.nodes
+        attributes = nodes[roots[0]].attribute
+        if not attributes:  # the common case, without building a list
+            return []
+        return [attr for attr in attributes if attr.name in STICKY_ATTRIBUTES
+                and all(get_attr(nodes[r], attr.name) is not None for r in roots[1:])]
+
+    def _redirect(self, old: str, new: str) -> None:
+        graph = self.graph
+        if graph.is_output(old):
+            self.new_nodes.append((onnx.helper.make_node(
+                "Identity", [new], [old], name=self.model.names.fresh(f"{old}/Identity")), None))
+        else:
+            for consumer in graph.consumers_of(old):
+                for i, name in enumerate(graph.node_inputs[consumer]):
+                    if name == old:
+                        graph.replace_input(consumer, i, new)
+
+    def _neighbourhood(self, new_ids: list[int], dead: list[str]) -> list[int]:
+        """What to revisit: the new nodes, their producers and consumers, and the
+        consumers of tensors whose producers went away."""
+        graph = self.graph
+        producer, consumers = graph.producer, graph.consumers
         touched = dict.fromkeys(new_ids)
         for node_id in new_ids:
-            node = nodes[node_id]
-            for name in node.input:
+            for name in graph.node_inputs[node_id]:
                 if name in producer:
                     touched[producer[name]] = None
-                touched.update(consumers.get(name, ()))
-            for name in node.output:
-                touched.update(consumers.get(name, ()))
+                users = consumers.get(name)
+                if users:
+                    touched.update(users)
+            for name in graph.node_outputs[node_id]:
+                users = consumers.get(name)
+                if users:
+                    touched.update(users)
         for name in dead:
-            touched.update(consumers.get(name, ()))
+            users = consumers.get(name)
+            if users:
+                touched.update(users)
         return list(touched)
 
     # ---- building the replacement ------------------------------------------------------
@@ -270,20 +331,20 @@ class Rewriter:
             return {(k.name if isinstance(k, TensorView) else k): v for k, v in result.items()}
         if len(roots) != 1:
             raise RewriteRejected("a fan-out rule must return {old tensor: new value}")
-        outputs = list(self.graph.nodes[roots[0]].output)
-        values = list(result) if isinstance(result, (tuple, list)) else [result]
+        outputs = self.graph.node_outputs[roots[0]]
+        values = result if isinstance(result, (tuple, list)) else (result,)
         return {out: v for out, v in zip(outputs, values) if v is not None and out}
 
     def _value(self, expr) -> str:
         """The tensor name an expression evaluates to, creating nodes as needed."""
+        if isinstance(expr, OpExpr):
+            return self._build(expr)[0]
         if isinstance(expr, TensorView):
             return expr.name
         if isinstance(expr, str):
             return expr
         if isinstance(expr, OpOutput):
             return self._build(expr.op)[expr.index]
-        if isinstance(expr, OpExpr):
-            return self._build(expr)[0]
         if isinstance(expr, NewConstant):
             return self._constant(expr.value, expr.hint)
         if isinstance(expr, np.ndarray):
@@ -297,22 +358,24 @@ class Rewriter:
 
     def _build(self, expr: OpExpr) -> list[str]:
         key = id(expr)
-        if key not in self.built:
-            inputs = ["" if i is None else self._value(i) for i in expr.inputs]
+        outputs = self.built.get(key)
+        if outputs is None:
+            inputs = ["" if i is None else i.name if type(i) is TensorView else self._value(i)
+                      for i in expr.inputs]  # a matched tensor, the commonest input, inline
             names = self.model.names
             name = names.fresh(self._name_hint(expr.op_type))
-            outputs = [self.keep_names.get((key, i)) or names.fresh(f"{name}_output_{i}")
+            keep_names = self.keep_names
+            outputs = [keep_names.get((key, i)) or names.fresh(f"{name}_output_{i}")
                        for i in range(expr.n_outputs)]
-            node = onnx.NodeProto()
-            node.CopyFrom(_node_template(expr.op_type, expr.domain, expr.attrs))
+            node = self.graph.new_node(_node_template(expr.op_type, expr.domain, expr.attrs))
             node.name = name
             node.input.extend(inputs)
             node.output.extend(outputs)
             if expr.domain:
-                self.domains.add(expr.domain)
-            self.new_nodes.append(node)
+                self.domains[expr.domain] = None
+            self.new_nodes.append((node, (tuple(inputs), tuple(outputs))))
             self.built[key] = outputs
-        return self.built[key]
+        return outputs
 
     def _name_hint(self, op_type: str) -> str:
         root = self.graph.nodes.get(self.match.roots[0])
@@ -322,25 +385,25 @@ class Rewriter:
     # ---- checks and cleanup -----------------------------------------------------------
     def _check(self, new_ids: list[int], targets: dict[str, str]) -> None:
         graph = self.graph
-        opset = self.model.opset(STANDARD_DOMAIN) or 1
+        producers, order_of, op_keys = graph.producer, graph.order, graph.op_keys
+        initializers, graph_inputs = graph.initializers, graph.input_set
+        in_main_graph = graph is self.model.graph
         for node_id in new_ids:
-            node = graph.nodes[node_id]
-            order = graph.order[node_id]
-            for name in node.input:
+            order = order_of[node_id]
+            for name in graph.node_inputs[node_id]:
                 if not name:
                     continue
-                producer = graph.producer.get(name)
+                producer = producers.get(name)
                 if producer is not None:
-                    if graph.order[producer] >= order:
+                    if order_of[producer] >= order:
                         raise RewriteRejected(f"'{name}' would be used before it is produced")
-                elif name not in graph.initializers and name not in graph.input_names \
-                        and graph is self.model.graph:
+                elif in_main_graph and name not in initializers and name not in graph_inputs:
                     raise RewriteRejected(f"'{name}' is not defined in the graph")
-            if normalize_domain(node.domain) == STANDARD_DOMAIN:
-                self._infer(node, opset)
+            if op_keys[node_id][0] == STANDARD_DOMAIN:
+                self._infer(graph.nodes[node_id], self.model.opset(STANDARD_DOMAIN) or 1)
         for old in targets:
-            if graph.producer.get(old) is None and old not in graph.initializers \
-                    and old not in graph.input_names and graph.is_output(old):
+            if old in graph.protected and producers.get(old) is None \
+                    and old not in initializers and old not in graph_inputs:
                 raise RewriteRejected(f"graph output '{old}' would lose its producer")
 
     def _infer(self, node: onnx.NodeProto, opset: int) -> None:
@@ -350,8 +413,9 @@ class Rewriter:
         except onnx.defs.SchemaError:
             raise RewriteRejected(f"{node.op_type} does not exist at opset {opset}") from None
         graph = self.graph
+        inputs = list(node.input)
         known = {}
-        for name in node.input:
+        for name in inputs:
             if name and name in graph.types:
                 known[name] = graph.types[name]
             elif name:
@@ -363,7 +427,7 @@ class Rewriter:
         try:
             inferred = onnx.shape_inference.infer_node_outputs(
                 schema, node, known,
-                {n: graph.initializers[n] for n in node.input if n in graph.initializers})
+                {n: graph.initializers[n] for n in inputs if n in graph.initializers})
         except (onnx.shape_inference.InferenceError, RuntimeError) as exc:
             raise RewriteRejected(f"{node.op_type} '{node.name}': "
                                   f"{str(exc).strip().splitlines()[0]}") from None
@@ -390,18 +454,31 @@ _TEMPLATES: dict = {}
 def _node_template(op_type: str, domain: str, attrs: dict) -> onnx.NodeProto:
     """A node with these attributes and no name or edges; rules create the same kinds of
     node over and over, and copying a template is several times cheaper than building."""
-    try:
-        key = (op_type, domain, tuple((k, tuple(v) if isinstance(v, list) else v, type(v))
-                                      for k, v in attrs.items()))
+    try:  # types in the key: 1, 1.0 and True are equal but make different attributes
+        key = (op_type, domain, tuple(attrs.items()), tuple(map(type, attrs.values())))
         template = _TEMPLATES.get(key)
-    except TypeError:  # an unhashable attribute value (tensor, graph): no caching
-        key, template = None, None
+    except TypeError:  # a list (ints, floats, strings) or an unhashable value
+        key, template = _list_template_key(op_type, domain, attrs), None
+        if key is not None:
+            template = _TEMPLATES.get(key)
     if template is None:
         template = onnx.helper.make_node(op_type, [], [], domain=domain or None,
                                          **{k: v for k, v in attrs.items() if v is not None})
         if key is not None and len(_TEMPLATES) < 4096:
             _TEMPLATES[key] = template
     return template
+
+
+def _list_template_key(op_type: str, domain: str, attrs: dict):
+    """A key for attributes with list values (as tuples), or None if still unhashable
+    (tensors, graphs: no caching). Shaped unlike the plain key, so the two never meet."""
+    key = (op_type, domain, tuple((k, tuple(v) if isinstance(v, list) else v, type(v))
+                                  for k, v in attrs.items()))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _compatible(old: onnx.TypeProto, new: onnx.TypeProto) -> bool:

@@ -93,12 +93,14 @@ class NameGenerator:
         if hint not in self.used:
             self.used.add(hint)
             return hint
+        used = self.used
         n = self._next.get(hint, 1)
-        while f"{hint}_{n}" in self.used:
-            n += 1
-        self._next[hint] = n + 1
         name = f"{hint}_{n}"
-        self.used.add(name)
+        while name in used:
+            n += 1
+            name = f"{hint}_{n}"
+        self._next[hint] = n + 1
+        used.add(name)
         return name
 
 
@@ -115,6 +117,23 @@ def _all_names(graph: onnx.GraphProto) -> Iterator[str]:
             yield from _all_names(sub)
 
 
+def _all_names_indexed(graph: Graph) -> Iterator[str]:
+    """_all_names of an indexed graph, reading output names from its index and looking
+    for subgraphs only in the nodes that have them."""
+    proto = graph.proto
+    for vi in itertools.chain(proto.input, proto.output, proto.value_info):
+        yield vi.name
+    yield from graph.initializers
+    for node in proto.node:
+        if node.name:
+            yield node.name
+    for outputs in graph.node_outputs.values():
+        yield from outputs
+    for node_id in graph.subgraph_owners:
+        for sub in subgraphs_of(graph.nodes[node_id]):
+            yield from _all_names(sub)
+
+
 def _collect_value_info(graph: onnx.GraphProto, found: dict) -> None:
     for vi in itertools.chain(graph.value_info, graph.output):
         if vi.type.HasField("tensor_type"):
@@ -122,6 +141,13 @@ def _collect_value_info(graph: onnx.GraphProto, found: dict) -> None:
     for node in graph.node:
         for sub in subgraphs_of(node):
             _collect_value_info(sub, found)
+
+
+def _any_used(tensors, consumers: dict, protected: set) -> bool:
+    for name in tensors:
+        if name and (name in protected or consumers.get(name)):
+            return True
+    return False
 
 
 class Graph:
@@ -135,19 +161,27 @@ class Graph:
         self.by_type: dict[tuple[str, str], dict[int, None]] = {}
         self.producer: dict[str, int] = {}
         self.consumers: dict[str, dict[int, None]] = {}
+        self.op_keys: dict[int, tuple[str, str]] = {}  # node id -> its key in by_type
+        # Each node's input and output names, read from the proto once: a protobuf string
+        # field makes (and decodes) a new str at every access, which would dominate the
+        # matcher and the index updates. The mutation primitives keep them current.
+        self.node_inputs: dict[int, tuple[str, ...]] = {}
+        self.node_outputs: dict[int, tuple[str, ...]] = {}
+        self.subgraph_owners: dict[int, None] = {}  # nodes with graph attributes
         self.initializers: dict[str, onnx.TensorProto] = {t.name: t for t in proto.initializer}
         self.input_names = [i.name for i in proto.input]
+        self.input_set = frozenset(self.input_names)  # for membership tests in hot paths
         self.output_names = [o.name for o in proto.output]
         self.protected = set(self.output_names)
         self.types: dict[str, onnx.TypeProto] = {}
         for vi in itertools.chain(proto.input, proto.output, proto.value_info):
             if vi.type.HasField("tensor_type"):
                 self.types[vi.name] = vi.type
-        self._ids = itertools.count()
         self._implicit: dict[int, list[str]] = {}
+        self._scratch: onnx.GraphProto | None = None  # holds the nodes new_node makes
         self.journal: list | None = None
-        for position, node in enumerate(proto.node):
-            self._index(node, (position,))
+        self._index_all(proto.node)
+        self._ids = itertools.count(len(self.nodes))
         self.changed = False
 
     # ---- reading -------------------------------------------------------------------
@@ -161,7 +195,7 @@ class Graph:
         return sorted(self.nodes, key=self.order.__getitem__)
 
     def is_graph_input(self, tensor: str) -> bool:
-        return tensor in self.input_names
+        return tensor in self.input_set
 
     def is_output(self, tensor: str) -> bool:
         return tensor in self.protected
@@ -173,7 +207,7 @@ class Graph:
         not a constant."""
         init = self.initializers.get(tensor)
         if init is not None:
-            if tensor in self.input_names or int(np.prod(init.dims)) > max_elements:
+            if tensor in self.input_set or int(np.prod(init.dims)) > max_elements:
                 return None
             return numpy_helper.to_array(init, self.model.base_dir)
         node_id = self.producer.get(tensor)
@@ -226,77 +260,145 @@ class Graph:
         return None
 
     # ---- indexing ----------------------------------------------------------------
-    def _index(self, node: onnx.NodeProto, order: tuple, node_id: int | None = None) -> int:
+    def _index(self, node: onnx.NodeProto, order: tuple, node_id: int | None = None,
+               edges: tuple[tuple[str, ...], tuple[str, ...]] | None = None) -> int:
         node_id = next(self._ids) if node_id is None else node_id
         self.nodes[node_id] = node
         self.order[node_id] = order
-        domain = node.domain
-        key = (STANDARD_DOMAIN if domain == "ai.onnx" else domain, node.op_type)
+        domain, op_type = node.domain, node.op_type
+        key = (STANDARD_DOMAIN if domain == "ai.onnx" else domain, op_type)
+        self.op_keys[node_id] = key
         by_type = self.by_type.get(key)
         if by_type is None:
             by_type = self.by_type[key] = {}
         by_type[node_id] = None
+        inputs, outputs = (tuple(node.input), tuple(node.output)) if edges is None else edges
+        self.node_inputs[node_id], self.node_outputs[node_id] = inputs, outputs
         producer, consumers = self.producer, self.consumers
-        for name in node.output:
+        for name in outputs:
             if name:
                 producer[name] = node_id
-        for name in node.input:
+        for name in inputs:
             if name:
                 users = consumers.get(name)
                 if users is None:
                     consumers[name] = {node_id: None}
                 else:
                     users[node_id] = None
-        if has_subgraphs(node):
-            implicit = [n for sub in subgraphs_of(node) for n in free_variables(sub)]
-            if implicit:
-                self._implicit[node_id] = implicit
-                for name in implicit:
-                    self.consumers.setdefault(name, {})[node_id] = None
+        known = _OPS_WITH_SUBGRAPHS.get(domain)  # inlined has_subgraphs: this runs per node
+        if (op_type in known) if known is not None else has_subgraphs(node):
+            self._index_subgraphs(node_id, node)
         return node_id
+
+    def _index_all(self, nodes: Iterable[onnx.NodeProto]) -> None:
+        """What _index does for each node in turn (ids and order keys are the positions),
+        with the lookups hoisted out of the loop: loading runs this once per node."""
+        all_nodes, order, op_keys, by_type = self.nodes, self.order, self.op_keys, self.by_type
+        node_inputs, node_outputs = self.node_inputs, self.node_outputs
+        producer, consumers = self.producer, self.consumers
+        for node_id, node in enumerate(nodes):
+            all_nodes[node_id] = node
+            order[node_id] = (node_id,)
+            domain, op_type = node.domain, node.op_type
+            key = op_keys[node_id] = (STANDARD_DOMAIN if domain == "ai.onnx" else domain, op_type)
+            same_type = by_type.get(key)
+            if same_type is None:
+                by_type[key] = {node_id: None}
+            else:
+                same_type[node_id] = None
+            inputs = node_inputs[node_id] = tuple(node.input)
+            outputs = node_outputs[node_id] = tuple(node.output)
+            for name in outputs:
+                if name:
+                    producer[name] = node_id
+            for name in inputs:
+                if name:
+                    users = consumers.get(name)
+                    if users is None:
+                        consumers[name] = {node_id: None}
+                    else:
+                        users[node_id] = None
+            known = _OPS_WITH_SUBGRAPHS.get(domain)
+            if (op_type in known) if known is not None else has_subgraphs(node):
+                self._index_subgraphs(node_id, node)
+
+    def _index_subgraphs(self, node_id: int, node: onnx.NodeProto) -> None:
+        """Outer-scope tensors the node's subgraphs read count as its inputs."""
+        self.subgraph_owners[node_id] = None
+        implicit = [n for sub in subgraphs_of(node) for n in free_variables(sub)]
+        if implicit:
+            self._implicit[node_id] = implicit
+            for name in implicit:
+                self.consumers.setdefault(name, {})[node_id] = None
 
     def _unindex(self, node_id: int) -> onnx.NodeProto:
         node = self.nodes.pop(node_id)
         del self.order[node_id]
-        self.by_type[(normalize_domain(node.domain), node.op_type)].pop(node_id)
-        for name in node.output:
-            if name and self.producer.get(name) == node_id:
-                del self.producer[name]
-        for name in itertools.chain(node.input, self._implicit.pop(node_id, ())):
-            users = self.consumers.get(name)
+        self.by_type[self.op_keys.pop(node_id)].pop(node_id)
+        inputs = self.node_inputs.pop(node_id)
+        producer, consumers = self.producer, self.consumers
+        for name in self.node_outputs.pop(node_id):
+            if name and producer.get(name) == node_id:
+                del producer[name]
+        # both are empty in most graphs: test before calling pop
+        if self.subgraph_owners:
+            self.subgraph_owners.pop(node_id, None)
+        implicit = self._implicit.pop(node_id, None) if self._implicit else None
+        for name in inputs if implicit is None else itertools.chain(inputs, implicit):
+            users = consumers.get(name)
             if users is not None:
                 users.pop(node_id, None)
                 if not users:
-                    del self.consumers[name]
+                    del consumers[name]
+        return node
+
+    def new_node(self, template: onnx.NodeProto | None = None) -> onnx.NodeProto:
+        """A new, not yet added NodeProto (a copy of ``template`` if given). It is made in
+        one shared scratch message: a standalone message costs an allocation of its own,
+        several times the price of the copy, and rewrites create nodes by the thousand."""
+        if self._scratch is None:
+            self._scratch = onnx.GraphProto()
+        node = self._scratch.node.add()
+        if template is not None:
+            node.CopyFrom(template)
         return node
 
     # ---- journaled mutations -----------------------------------------------------------
-    def _log(self, undo) -> None:
+    # The journal holds (undo function, *arguments) tuples: cheaper to record than closures,
+    # and rewrites record several per transaction.
+    def _log(self, undo, *args) -> None:
         self.changed = True
         if self.journal is not None:
-            self.journal.append(undo)
+            self.journal.append((undo, *args))
 
-    def add_node(self, node: onnx.NodeProto, order: tuple) -> int:
-        node_id = self._index(node, order)
-        self._log(lambda: self._unindex(node_id))
+    def add_node(self, node: onnx.NodeProto, order: tuple,
+                 edges: tuple[tuple[str, ...], tuple[str, ...]] | None = None) -> int:
+        """Add ``node`` at ``order``. ``edges``, if given, must be the node's (inputs,
+        outputs) as tuples: a caller that has just written them saves reading them back."""
+        node_id = self._index(node, order, None, edges)
+        self.changed = True
+        if self.journal is not None:
+            self.journal.append((self._unindex, node_id))
         return node_id
 
     def remove_node(self, node_id: int) -> None:
         order = self.order[node_id]
         node = self._unindex(node_id)
-        self._log(lambda: self._index(node, order, node_id))
+        self.changed = True
+        if self.journal is not None:
+            self.journal.append((self._index, node, order, node_id))
 
     def replace_input(self, node_id: int, index: int, tensor: str) -> None:
-        node = self.nodes[node_id]
-        old = node.input[index]
+        old = self.node_inputs[node_id][index]
         self._set_input(node_id, index, tensor)
-        self._log(lambda: self._set_input(node_id, index, old))
+        self._log(self._set_input, node_id, index, old)
 
     def _set_input(self, node_id: int, index: int, tensor: str) -> None:
-        node = self.nodes[node_id]
-        old = node.input[index]
-        node.input[index] = tensor
-        if old and old not in node.input and old not in self._implicit.get(node_id, ()):
+        inputs = list(self.node_inputs[node_id])
+        old = inputs[index]
+        self.nodes[node_id].input[index] = inputs[index] = tensor
+        self.node_inputs[node_id] = tuple(inputs)
+        if old and old not in inputs and old not in self._implicit.get(node_id, ()):
             users = self.consumers[old]
             users.pop(node_id, None)
             if not users:
@@ -306,11 +408,11 @@ class Graph:
 
     def add_initializer(self, tensor: onnx.TensorProto) -> None:
         self.initializers[tensor.name] = tensor
-        self._log(lambda: self.initializers.pop(tensor.name))
+        self._log(self.initializers.pop, tensor.name)
 
     def remove_initializer(self, name: str) -> None:
         tensor = self.initializers.pop(name)
-        self._log(lambda: self.initializers.__setitem__(name, tensor))
+        self._log(self.initializers.__setitem__, name, tensor)
 
     def set_attribute(self, node_id: int, attr: onnx.AttributeProto) -> None:
         node = self.nodes[node_id]
@@ -319,6 +421,8 @@ class Graph:
         if previous:
             saved.CopyFrom(previous[0])
         self._put_attribute(node, attr)
+        if attr.type in _GRAPH_ATTRIBUTE_TYPES:
+            self.subgraph_owners[node_id] = None  # a stale entry is harmless: none found
 
         def undo():
             if previous:
@@ -340,27 +444,30 @@ class Graph:
     def set_type(self, tensor: str, type_proto: onnx.TypeProto) -> None:
         old = self.types.get(tensor)
         self.types[tensor] = type_proto
-        self._log(lambda: self.types.pop(tensor) if old is None
-                  else self.types.__setitem__(tensor, old))
+        if old is None:
+            self._log(self.types.pop, tensor)
+        else:
+            self._log(self.types.__setitem__, tensor, old)
 
     def remove_dead(self, candidates: Iterable[str]) -> list[str]:
         """Delete the producers (and initializers) of these tensors if nothing reads them
         any more, and so on upstream; returns the tensors whose producers went away."""
+        consumers, protected, producers = self.consumers, self.protected, self.producer
         dead_tensors = []
         stack = [n for n in dict.fromkeys(candidates) if n]
         while stack:
             name = stack.pop()
-            if self.consumers.get(name) or self.is_output(name):
+            if name in protected or consumers.get(name):
                 continue
-            producer = self.producer.get(name)
+            producer = producers.get(name)
             if producer is not None:
-                node = self.nodes[producer]
-                if any(self.consumers.get(o) or self.is_output(o) for o in node.output if o):
+                if _any_used(self.node_outputs[producer], consumers, protected):
                     continue
+                inputs = self.node_inputs[producer]
                 self.remove_node(producer)
                 dead_tensors.append(name)
-                stack.extend(n for n in node.input if n)
-            elif name in self.initializers and name not in self.input_names:
+                stack.extend([n for n in inputs if n])
+            elif name in self.initializers and name not in self.input_set:
                 self.remove_initializer(name)
         return dead_tensors
 
@@ -374,8 +481,8 @@ class Graph:
 
     def rollback(self) -> None:
         journal, self.journal = self.journal, None
-        for undo in reversed(journal):
-            undo()
+        for undo, *args in reversed(journal):
+            undo(*args)
         self.changed = self._changed_before
 
     # ---- writing back --------------------------------------------------------------
@@ -408,8 +515,8 @@ class Model:
         self.path = path
         self._opsets: dict[str, int] | None = None
         self.base_dir = os.path.dirname(os.path.abspath(path)) if path else ""
-        self.names = NameGenerator(_all_names(proto.graph))
         self.graph = Graph(proto.graph, self)
+        self.names = NameGenerator(_all_names_indexed(self.graph))
         self._subgraphs: dict[int, Graph] = {}
         self._inferred = False
 
@@ -436,7 +543,8 @@ class Model:
 
     def _walk(self, graph: Graph) -> Iterator[Graph]:
         yield graph
-        for node_id in graph.sorted_ids():
+        owners = sorted(graph.subgraph_owners, key=graph.order.__getitem__)
+        for node_id in owners:
             for sub in subgraphs_of(graph.nodes[node_id]):
                 key = id(sub)
                 if key not in self._subgraphs:

@@ -34,6 +34,14 @@ def fuse(m):
             shown = ", ".join("unknown" if r is None else str(r) for r in ranks)
             return (f"transBatch needs both inputs of the same rank >= 3 (ranks {shown}); "
                     "onnxruntime rejects anything else")
+    if attrs["transA"] and m.get("ta") is not None:
+        # onnxruntime's CPU FusedMatMul computes wrong values for transA=1 with a rank-1 B
+        # (found by tests/robustness: MatMul(Transpose(a), b[k]) came out different).
+        # (An unknown rank is let through: after a YieldOp shapes are often unknown, and
+        # backward-pass MatMuls have rank >= 2 operands.)
+        b_shape = m.b.shape
+        if b_shape is not None and len(b_shape) < 2:
+            return "transA with a rank-1 B: onnxruntime's FusedMatMul gets it wrong"
     return op.ms.FusedMatMul(m.a, m.b, **attrs)
 
 
