@@ -9,6 +9,8 @@ check after every rewrite, so the offending rewrite is found, rolled back and re
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -39,10 +41,19 @@ class Engine:
 
     # ---- driver --------------------------------------------------------------------
     def run(self, model: Model, report: Report) -> None:
-        for level in sorted({r.level for r in self.rules}):
+        levels = sorted({r.level for r in self.rules})
+        for level in levels:
             rules = [r for r in self.rules if r.level == level and _opset_ok(r, model)]
             for graph in list(model.graphs()):
                 self._run_level(model, graph, rules, report)
+        # A pass states a graph-wide invariant (which nodes are backward, ...) that a later
+        # level's rewrites can invalidate: passes of earlier levels get a last word.
+        if len(levels) > 1:
+            passes = [r for r in self.rules if isinstance(r, Pass) and r.level < levels[-1]
+                      and _opset_ok(r, model)]
+            for graph in list(model.graphs()):
+                for rule in passes:
+                    self._run_pass(model, graph, rule, report)
 
     def _run_level(self, model: Model, graph: Graph, rules, report: Report) -> None:
         budget = self.max_rewrites or 4 * len(graph.nodes) + 1000
@@ -213,9 +224,18 @@ def _opset_ok(rule, model: Model) -> bool:
     return all((model.opset(d) or 0) >= v for d, v in rule.min_opset.items())
 
 
+_CWD_LOCK = threading.Lock()
+
+
 def _validate_model(model: Model) -> None:
     proto = model.flush()
-    onnx.checker.check_model(proto)
+    if model.base_dir and model.has_external_data():
+        # The checker finds external data relative to the working directory when it is given
+        # a proto rather than a path; the model's own folder is the right base.
+        with _CWD_LOCK, contextlib.chdir(model.base_dir):
+            onnx.checker.check_model(proto)
+    else:
+        onnx.checker.check_model(proto)
     onnx.shape_inference.infer_shapes(proto, strict_mode=True)
 
 
@@ -262,7 +282,7 @@ class Rewriter:
         dead = graph.remove_dead(removed_inputs)
         for domain in self.domains:
             self.model.ensure_opset(domain, 1)
-        return self._neighbourhood(new_ids, dead)
+        return self._neighbourhood(new_ids, dead + removed_inputs)
 
     def _roots(self, mapping: dict) -> list[int]:
         """The nodes producing the replaced tensors, in graph order; each must be replaced
@@ -302,8 +322,9 @@ class Rewriter:
                         graph.replace_input(consumer, i, new)
 
     def _neighbourhood(self, new_ids: list[int], dead: list[str]) -> list[int]:
-        """What to revisit: the new nodes, their producers and consumers, and the
-        consumers of tensors whose producers went away."""
+        """What to revisit: the new nodes, their producers and consumers, and the remaining
+        consumers of tensors that lost a consumer or a producer (a fan-out rule on such a
+        tensor may match now)."""
         graph = self.graph
         producer, consumers = graph.producer, graph.consumers
         touched = dict.fromkeys(new_ids)

@@ -82,6 +82,25 @@ def free_variables(graph: onnx.GraphProto) -> list[str]:
     return list(free)
 
 
+def _graph_tensors(graph: onnx.GraphProto):
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from _graph_tensors(attr.g)
+            for sub in attr.graphs:
+                yield from _graph_tensors(sub)
+
+
+def external_tensors(proto: onnx.ModelProto) -> list[onnx.TensorProto]:
+    return [t for t in _graph_tensors(proto.graph)
+            if t.data_location == onnx.TensorProto.EXTERNAL]
+
+
+
 class NameGenerator:
     """Fresh names, unique across the whole model (all scopes), deterministic."""
 
@@ -216,7 +235,9 @@ class Graph:
         node = self.nodes[node_id]
         if node.op_type != "Constant" or normalize_domain(node.domain):
             return None
-        attr = node.attribute[0] if len(node.attribute) == 1 else None
+        # Annotations such as __backwardpass do not change what a Constant holds.
+        values = [a for a in node.attribute if not a.name.startswith("__")]
+        attr = values[0] if len(values) == 1 else None
         if attr is None:
             return None
         if attr.name == "value":
@@ -475,6 +496,7 @@ class Graph:
     def begin(self) -> None:
         self.journal = []
         self._changed_before = self.changed
+        self._flushed_in_transaction = False
 
     def commit(self) -> None:
         self.journal = None
@@ -483,13 +505,17 @@ class Graph:
         journal, self.journal = self.journal, None
         for undo, *args in reversed(journal):
             undo(*args)
-        self.changed = self._changed_before
+        # A flush inside the transaction (a whole-model check) wrote the rolled-back state
+        # into the proto: the next flush must overwrite it.
+        self.changed = self._changed_before or self._flushed_in_transaction
 
     # ---- writing back --------------------------------------------------------------
     def flush(self) -> None:
         """Write nodes (in order), initializers and inferred types back into the proto."""
         if not self.changed:
             return
+        if self.journal is not None:
+            self._flushed_in_transaction = True
         ordered = [self.nodes[i] for i in self.sorted_ids()]
         del self.proto.node[:]
         self.proto.node.extend(ordered)
@@ -569,6 +595,9 @@ class Model:
                 if name not in graph.types and (name in graph.producer or name in graph.consumers):
                     graph.types[name] = tp
         return True
+
+    def has_external_data(self) -> bool:
+        return bool(external_tensors(self.proto))
 
     def flush(self) -> onnx.ModelProto:
         for graph in list(self._subgraphs.values()) + [self.graph]:

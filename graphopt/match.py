@@ -146,10 +146,12 @@ def _check_attributes(graph: Graph, node_id: int, node, attr_checks, b: Bindings
 
 def _match_either_order(graph: Graph, names, inputs, b: Bindings):
     """Both operand orders of a commutative op, each on a copy of the bindings; the first
-    that matches is kept. When both miss, the last order's Miss is reported."""
-    miss = None
+    that matches is kept. When both miss, the reported Miss is the one from the order that
+    got further (more operands and nodes matched): that is the near miss a user would mean."""
+    best, best_progress = None, (-1, -1)
     for order in ((0, 1), (1, 0)):
         trial = b.copy()
+        miss = None
         for position, input_index in enumerate(order):
             miss = inputs[position](graph, names[input_index], trial)
             if miss is not None:
@@ -160,7 +162,10 @@ def _match_either_order(graph: Graph, names, inputs, b: Bindings):
             b.nodes[:] = trial.nodes
             b.kinds.update(trial.kinds)
             return None
-    return miss
+        progress = (position, len(trial.nodes))
+        if progress > best_progress:
+            best, best_progress = miss, progress
+    return best
 
 
 def compile_precheck(pattern: OpExpr):

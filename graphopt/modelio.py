@@ -15,7 +15,7 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from .errors import GraphoptError
-from .ir import Model
+from .ir import Model, external_tensors as _external_tensors
 
 EXTERNAL_COPY_CHUNK = 64 << 20
 DIGEST_CHARS = 12
@@ -77,24 +77,6 @@ def _check_looks_like_onnx(proto: onnx.ModelProto, path: str | None) -> None:
 def _first_line(exc: Exception) -> str:
     text = str(exc).strip().splitlines()
     return " ".join(text[0].split()) if text else type(exc).__name__
-
-
-def _graph_tensors(graph: onnx.GraphProto):
-    yield from graph.initializer
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.HasField("t"):
-                yield attr.t
-            yield from attr.tensors
-            if attr.HasField("g"):
-                yield from _graph_tensors(attr.g)
-            for sub in attr.graphs:
-                yield from _graph_tensors(sub)
-
-
-def _external_tensors(proto: onnx.ModelProto) -> list[onnx.TensorProto]:
-    return [t for t in _graph_tensors(proto.graph)
-            if t.data_location == onnx.TensorProto.EXTERNAL]
 
 
 def _uses_external_data(proto: onnx.ModelProto) -> bool:

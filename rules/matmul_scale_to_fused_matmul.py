@@ -40,9 +40,10 @@ def _divisor_nonzero(m):
     return m.scaler.op_type != "Div" or float(m.scale) != 0.0 or "division by zero"
 
 
-def _base_exclusive(m):
-    # Fusing the scale into a product someone else also reads would compute it twice.
-    return single_consumer("base")(m) if _product_scaled(m) else True
+def _fusion_removes_a_node(m):
+    # The scaled product, or the scaled input, must feed only this pattern: otherwise the
+    # node stays for its other readers and the fusion saves nothing (or computes twice).
+    return single_consumer("base" if _product_scaled(m) else "scaler")(m)
 
 
 def _scale_keeps_shape(m):
@@ -71,6 +72,6 @@ RULE = Rule(
     tags=("fusion", "com.microsoft"),
     match=one_of(*_alternatives()),
     where=[is_float("a", "b", reason="FusedMatMul needs float inputs"), _divisor_nonzero,
-           _base_exclusive, _scale_keeps_shape],
+           _fusion_removes_a_node, _scale_keeps_shape],
     rewrite=fold_scale,
 )

@@ -145,10 +145,6 @@ def test_output_folder_not_writable_even_as_root(tmp_path, monkeypatch):
     assert os.listdir(folder) == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (graphopt/engine.py _validate_model): a model with external data that a rule changes "
-    "fails the final whole-model check unless the cwd is the model's folder, and the raw onnx "
-    "ValidationError escapes as a traceback (see tests/ir/test_modelio.py)"))
 def test_external_data_model_from_another_folder_has_no_traceback(tmp_path, monkeypatch):
     import numpy as np
 

@@ -96,16 +96,6 @@ def test_optimize_in_memory_keeps_external_tensors_external(tmp_path, monkeypatc
     assert w.data_location == onnx.TensorProto.EXTERNAL and not w.raw_data
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (graphopt/engine.py _validate_model, used by api.optimize_loaded): the final "
-    "onnx.checker.check_model(proto) runs on the in-memory proto, and for EXTERNAL tensors "
-    "the checker looks for the 'location' file relative to the process's working directory, "
-    "not the model's folder -> ValidationError 'Data of TensorProto (tensor name: W) should "
-    "be stored in w.bin, but it is not regular file'; _replay_carefully then re-raises the "
-    "raw onnx ValidationError (not a GraphoptError), so any model with external data that "
-    "some rule changes fails, and the CLI prints a traceback, unless run from the model's "
-    "folder. Check with the model's base dir (e.g. check_model on a copy whose external "
-    "tensors are stripped, or by path) instead."))
 def test_external_data_model_optimizes_from_any_working_directory(tmp_path, monkeypatch):
     src = save_external(weights_model(), tmp_path / "src")
     (tmp_path / "out").mkdir()

@@ -39,14 +39,6 @@ def test_the_rule_passes_the_local_checks():
         onnx.shape_inference.infer_shapes(model.flush(), strict_mode=True)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (graphopt/ir.py Graph.rollback + Graph.flush): during the careful replay "
-    "(validate_each) the rewrite is flushed into the proto for the whole-model check; the "
-    "check fails and Graph.rollback restores the indexes and resets `changed` to its value "
-    "before the transaction (False), so the next flush() returns early and the proto keeps "
-    "the rolled-back nodes. The final validate() then fails again and the raw onnx "
-    "InferenceError escapes optimize() (a traceback in the CLI). Rollback must also mark the "
-    "graph dirty (or restore the proto)."))
 def test_a_rewrite_breaking_the_model_is_rolled_back_and_reported():
     out, report = graphopt.optimize(MODEL, [BREAKS_THE_MODEL])
     assert [n.op_type for n in out.graph.node] == ["Constant", "Unsqueeze", "Relu"]

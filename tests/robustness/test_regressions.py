@@ -122,13 +122,6 @@ def test_mark_backward_pass_leaves_constant_nodes_alone():
 # ---- open: graphopt/*.py (the lead fixes) -------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (graphopt/engine.py Engine.run): levels run one after the other, so level-1 "
-    "mark_backward_pass never sees the graph after level-2 fusions; a fusion that takes a "
-    "node out of YieldOp's ancestry (MatMul(x/2, W) -> FusedMatMul(x, W, alpha=.5) with x/2 "
-    "also a graph output) leaves that node unmarked, and optimizing again marks it: not a "
-    "fixpoint. Fix: rerun the lower-level passes after a higher level changed the graph "
-    "(or run mark_backward_pass last)"))
 def test_fixpoint_when_a_level2_fusion_changes_what_feeds_yieldop():
     once, _ = graphopt.optimize(stale_marks_model())
     twice, _ = graphopt.optimize(once)
@@ -148,13 +141,6 @@ def _perm_breaker() -> Pass:
     return Pass(name="perm_breaker", description="breaks Transpose perms", run=run, level=1)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (graphopt/ir.py Graph.rollback with flush): the careful replay validates after each "
-    "change, which flushes the nodes into the proto (copies); rolling back then undoes the "
-    "edit on the graph's node objects and restores changed=False, so the next flush is "
-    "skipped and the proto keeps the rolled-back edit: the replay ends invalid and "
-    "optimize() raises onnx InferenceError. Fix: after a rollback keep changed=True if the "
-    "transaction was flushed (or always)"))
 def test_a_change_rolled_back_during_the_careful_replay_leaves_no_trace():
     model = _model([n("Transpose", ["x"], ["y"], perm=[1, 0])], [_vi("x", [2, 3])],
                    [_vi("y", [3, 2])])
@@ -184,13 +170,6 @@ def test_input_that_fails_strict_inference_is_a_user_error_not_a_crash():
 
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (graphopt/engine.py Rewriter.apply / _run_patterns): after a rewrite only the new "
-    "nodes' neighbourhood is revisited, not the other consumers of the removed nodes' "
-    "inputs; when a rewrite takes a consumer away from a fan-out tensor (the Gather moved "
-    "off Transpose(x)), the fan-out Split fusion on that tensor, which failed earlier "
-    "(overlap) and is now possible, is never retried: optimizing again fuses it (not a "
-    "fixpoint). Fix: put the remaining consumers of removed_inputs in `touched`"))
 def test_fixpoint_when_a_rewrite_frees_a_fan_out_tensor():
     model = fan_out_model()
     once, report = graphopt.optimize(model)
