@@ -12,7 +12,7 @@ import graphopt
 
 RULE = "gather_slice_to_split"
 INT64_MAX = 9223372036854775807
-MQA_FIXTURES = ["mqa_opset14", "mqa_opset17", "mqa_opset17_dynamic", "mqa_dynamo",
+MQA_FIXTURES = ["mqa_opset14", "mqa_opset14_dynamic", "mqa_opset17", "mqa_opset17_dynamic", "mqa_dynamo",
                 "mqa_dynamo_dynamic", "mqa_block"]
 
 

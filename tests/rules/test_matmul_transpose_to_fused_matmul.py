@@ -270,7 +270,7 @@ def test_not_run_at_level_1():
 
 
 # ---- parity with onnxruntime on the fixtures ------------------------------------------
-@pytest.mark.parametrize("name", ["mqa_opset14", "mqa_opset17", "mqa_opset17_dynamic",
+@pytest.mark.parametrize("name", ["mqa_opset14", "mqa_opset14_dynamic", "mqa_opset17", "mqa_opset17_dynamic",
                                   "mqa_dynamo", "mqa_dynamo_dynamic", "mqa_block"])
 def test_every_onnxruntime_fusedmatmul_appears_in_ours(name, tmp_path):
     path = fixture_path(name + ".onnx")
