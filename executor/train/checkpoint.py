@@ -5,17 +5,25 @@ and a JSON ``__meta__`` with the step, epoch, batch position, data seed and size
 size, optimizer scalars, loss-scaler state and the loss history. The data order is a pure
 function of (seed, epoch) (see :mod:`.data`), so step + seed pin the next batch exactly.
 
-Atomic: written to a temporary file in the same directory, fsynced, renamed over the old
-checkpoint, then the directory is fsynced, so a crash leaves the old or the new checkpoint,
-never a torn one.
+Atomic: written to a hidden temporary file in the same directory, fsynced, renamed over the
+old checkpoint, then the directory is fsynced, so a crash (SIGKILL, power loss) leaves the old
+or the new checkpoint, never a torn one; the previous checkpoint is kept until the new one is
+complete. A write that fails (disk full, quota, I/O error) removes its temporary file, keeps
+the previous checkpoint and raises one :class:`CheckpointWriteError` line saying so. The
+temporary files a killed writer could not remove (``.checkpoint-<host>-<pid>-*.npz.tmp``) are
+removed by the next successful save on that host once their process is gone.
+
+:func:`load` accepts only a complete checkpoint: a truncated or damaged file (the zip CRCs
+cover every array) or inconsistent metadata is refused with one line naming the file.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import socket
 import tempfile
-import zipfile
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +32,12 @@ from graphopt.errors import GraphoptError
 
 FILENAME = "checkpoint.npz"
 FORMAT = 1
+TEMP_PREFIX = ".checkpoint-"
+TEMP_SUFFIX = ".npz.tmp"
+
+
+class CheckpointWriteError(GraphoptError):
+    """A checkpoint could not be written; the previous one (if any) is untouched."""
 
 
 @dataclass
@@ -42,29 +56,98 @@ def path_in(directory: str) -> str:
     return os.path.join(directory, FILENAME)
 
 
+def _host_tag() -> str:
+    return "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:32] or "host"
+
+
+def _write_archive(f, arrays: dict) -> None:
+    """The bytes of the checkpoint (a plain .npz; the tests inject write faults here)."""
+    np.savez(f, **arrays)
+
+
 def save(directory: str, checkpoint: Checkpoint) -> str:
-    os.makedirs(directory, exist_ok=True)
     meta = {"format": FORMAT, "step": checkpoint.step, "optimizer": checkpoint.optimizer,
             "scaler": checkpoint.scaler, "data": checkpoint.data,
             "history": checkpoint.history, "precision": checkpoint.precision,
-            "params": list(checkpoint.params)}
+            "params": list(checkpoint.params),
+            "optimizer_arrays": list(checkpoint.optimizer_arrays)}
     arrays = {f"param/{k}": v for k, v in checkpoint.params.items()}
     arrays.update({f"opt/{k}": v for k, v in checkpoint.optimizer_arrays.items()})
     arrays["__meta__"] = np.array(json.dumps(meta))
     target = path_in(directory)
-    fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", suffix=".npz.tmp", dir=directory)
+    tmp = None
     try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{_host_tag()}-{os.getpid()}-",
+                                   suffix=TEMP_SUFFIX, dir=directory)
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
+            _write_archive(f, arrays)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+        tmp = None
+    except OSError as exc:
+        raise CheckpointWriteError(_write_failure(directory, checkpoint.step, exc)) from None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
     _fsync_directory(directory)
+    _remove_stale_temporaries(directory)
     return target
+
+
+def _write_failure(directory: str, step: int, exc: OSError) -> str:
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    if exc.errno is not None and exc.errno in errno.errorcode:
+        reason = f"{reason} ({errno.errorcode[exc.errno]})"
+    return f"could not save the checkpoint of step {step} in {directory}: {reason}; " \
+           f"{describe_existing(directory)}"
+
+
+def describe_existing(directory: str) -> str:
+    """What the last complete checkpoint in ``directory`` is, in words."""
+    target = path_in(directory)
+    if not os.path.isfile(target):
+        return f"no earlier checkpoint exists in {directory}"
+    try:
+        step = read_step(directory)
+    except GraphoptError:
+        return f"{target} was left as it was"
+    return f"the previous checkpoint {target} (step {step}) is intact"
+
+
+def read_step(directory: str) -> int:
+    """The step of the checkpoint in ``directory`` (reads only its metadata)."""
+    target = path_in(directory)
+    try:
+        with np.load(target, allow_pickle=False) as archive:
+            return int(json.loads(str(archive["__meta__"]))["step"])
+    except Exception as exc:  # noqa: BLE001 (any damage reads as "not readable")
+        raise GraphoptError(f"{target}: not a readable checkpoint ({_why(exc)})") from None
+
+
+def _remove_stale_temporaries(directory: str) -> None:
+    """Temporary files of writers on this host that died before they could clean up."""
+    mine = f"{TEMP_PREFIX}{_host_tag()}-"
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            if not (name.startswith(mine) and name.endswith(TEMP_SUFFIX)):
+                continue
+            pid = name[len(mine):].split("-", 1)[0]
+            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(directory, name))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:   # exists, owned by someone else
+        return True
+    return True
 
 
 def _fsync_directory(directory: str) -> None:
@@ -76,21 +159,49 @@ def _fsync_directory(directory: str) -> None:
             os.close(fd)
 
 
+def _why(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    kind = type(exc).__name__
+    return f"truncated or damaged: {kind}: {text}" if text else f"truncated or damaged: {kind}"
+
+
 def load(directory: str) -> Checkpoint:
+    """The checkpoint in ``directory``; a truncated or damaged one is refused in one line."""
     target = path_in(directory)
     if not os.path.isfile(target):
         raise GraphoptError(f"--resume: no checkpoint in {directory} ({FILENAME} is missing)")
     try:
         with np.load(target, allow_pickle=False) as archive:
             meta = json.loads(str(archive["__meta__"]))
-            params = {k[len("param/"):]: archive[k] for k in archive.files
-                      if k.startswith("param/")}
-            optimizer_arrays = {k[len("opt/"):]: archive[k] for k in archive.files
-                                if k.startswith("opt/")}
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
-        raise GraphoptError(f"{target}: not a readable checkpoint ({exc})") from None
-    if meta.get("format") != FORMAT:
-        raise GraphoptError(f"{target}: checkpoint format {meta.get('format')} is not {FORMAT}")
-    params = {name: params[name] for name in meta["params"]}  # model order
-    return Checkpoint(meta["step"], params, meta["optimizer"], optimizer_arrays, meta["scaler"],
-                      meta["data"], meta.get("history", []), meta.get("precision", "fp32"))
+            if not isinstance(meta, dict):
+                raise ValueError("the metadata is not an object")
+            # reading every member checks every CRC: a damaged byte anywhere is refused here
+            members = {k: archive[k] for k in archive.files if k != "__meta__"}
+        if meta.get("format") != FORMAT:
+            raise GraphoptError(f"{target}: checkpoint format {meta.get('format')} is not "
+                                f"{FORMAT}")
+        params = {k[len("param/"):]: v for k, v in members.items() if k.startswith("param/")}
+        optimizer_arrays = {k[len("opt/"):]: v for k, v in members.items()
+                            if k.startswith("opt/")}
+        unknown = sorted(set(members) - {f"param/{k}" for k in params}
+                         - {f"opt/{k}" for k in optimizer_arrays})
+        if unknown:
+            raise ValueError(f"unexpected arrays {unknown[:3]}")
+        names = meta["params"]
+        if sorted(names) != sorted(params):
+            raise ValueError(f"weights {sorted(set(names) ^ set(params))[:3]} do not match the "
+                             "metadata")
+        if "optimizer_arrays" in meta and sorted(meta["optimizer_arrays"]) != \
+                sorted(optimizer_arrays):
+            raise ValueError(f"optimizer arrays "
+                             f"{sorted(set(meta['optimizer_arrays']) ^ set(optimizer_arrays))[:3]}"
+                             " do not match the metadata")
+        checkpoint = Checkpoint(int(meta["step"]), {n: params[n] for n in names},  # model order
+                                dict(meta["optimizer"]), optimizer_arrays, dict(meta["scaler"]),
+                                dict(meta["data"]), list(meta.get("history", [])),
+                                str(meta.get("precision", "fp32")))
+    except GraphoptError:
+        raise
+    except Exception as exc:  # noqa: BLE001 (zip, npy, JSON, missing keys: all "damaged")
+        raise GraphoptError(f"{target}: not a readable checkpoint ({_why(exc)})") from None
+    return checkpoint

@@ -1,7 +1,19 @@
 """The training loop: one executor run per step (forward, YieldOp, backward under the
-guard), then loss-scale bookkeeping and the optimizer update on the master weights."""
+guard), then loss-scale bookkeeping and the optimizer update on the master weights.
+
+Non-finite values: a step whose loss or gradients hold a NaN/Inf never updates the weights.
+The step's feeds are run again through the session fetching every tensor, and the first node
+(in execution order) whose output is non-finite is named, with its op type and whether an
+input was already non-finite (:func:`locate_nonfinite`). With dynamic loss scaling the step is
+skipped and counted, like a gradient overflow, and the first step of each kind (loss,
+gradients) is reported in one line; without it, training stops with a
+:class:`NonFiniteError` naming the step and the node, and nothing of that step is saved:
+the last checkpoint stays the last good state. In a distributed run the loss and the
+overflow flag are agreed across ranks before this decision, so every rank decides alike.
+"""
 from __future__ import annotations
 
+import math
 import signal
 import threading
 import time
@@ -12,6 +24,7 @@ import numpy as np
 import onnx
 
 from graphopt.errors import GraphoptError
+from graphopt.executor import ExecutorError
 
 from . import checkpoint as ckpt
 from .data import Batches
@@ -40,6 +53,7 @@ class TrainResult:
     skipped: int = 0
     interrupted: bool = False
     checkpoint: str | None = None         # path of the last checkpoint written
+    nonfinite: dict[str, int] = field(default_factory=dict)   # skipped steps per kind
 
     @property
     def losses(self) -> list[float]:
@@ -68,6 +82,75 @@ class StopFlag:
             signal.signal(signal.SIGINT, self._previous)
 
 
+class NonFiniteError(GraphoptError):
+    """A NaN/Inf loss or gradient without dynamic loss scaling: training stops, nothing of
+    the step is applied or saved. Raised alike on every rank of a distributed run.
+    ``finding`` is the part about the step and the node, without where the state is."""
+
+    def __init__(self, message: str, finding: str = ""):
+        super().__init__(message)
+        self.finding = finding or message
+
+
+def _nonfinite(value) -> str | None:
+    """"nan" / "inf" / "-inf" if a float array holds such a value, else None."""
+    if value is None:
+        return None
+    array = np.asarray(value)
+    if not np.issubdtype(array.dtype, np.floating) or array.size == 0:
+        return None
+    with np.errstate(invalid="ignore", over="ignore"):
+        if np.isfinite(array).all():
+            return None
+        if np.isnan(array).any():
+            return "nan"
+        return "inf" if (array == np.inf).any() else "-inf"
+
+
+def locate_nonfinite(session, feeds: dict, weights=()) -> str | None:
+    """Run ``feeds`` again fetching every tensor; name the first node (in plan order) whose
+    output holds a NaN/Inf: its op type, name, and any input that was already non-finite.
+    None when every tensor is finite this time (the fault came from elsewhere: another
+    rank's batch in a data-parallel run). Holds every tensor of the step at once: a model
+    that would not fit so gets a line saying the node could not be located."""
+    graph = session.model.graph
+    names: list[str] = []
+    seen: set[str] = set()
+    for node in graph.node:
+        for name in (*node.input, *node.output):
+            if name and name not in seen:
+                seen.add(name)
+                names.append(name)
+    try:
+        plan = session.plan(names)
+        with np.errstate(all="ignore"):
+            values = session.run(feeds, names)
+    except (ExecutorError, MemoryError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return f"the step could not be run again to find the node ({first[:160]})"
+    inputs = set(session.input_names)
+    for step in plan.steps:
+        node = step.node
+        bad = [(out, kind) for out in node.outputs if (kind := _nonfinite(values.get(out)))]
+        if not bad:
+            continue
+        out, kind = bad[0]
+        where = f"{node.op_type} node {node.name!r}"
+        if len(node.outputs) > 1:
+            where += f" (output {out!r})"
+        already = [(name, k) for name in node.inputs
+                   if name and (k := _nonfinite(values.get(name, feeds.get(name))))]
+        if already:
+            name, k = already[0]
+            origin = (", a weight" if name in weights else
+                      ", from the data" if name in inputs else "")
+            detail = f"input {name!r} was already {k}{origin}"
+        else:
+            detail = "inputs finite"
+        return f"first non-finite value ({kind}) produced by {where} ({detail})"
+    return None
+
+
 def _reseed(session, value: int) -> None:
     """Dropout masks of step N depend on (seed, N) only: a resumed run draws the same."""
     session.reseed(value)
@@ -77,10 +160,12 @@ class Trainer:
     def __init__(self, graph: TrainingGraph, session, batches: Batches, optimizer: Optimizer,
                  scaler: LossScaler, settings: LoopSettings, *, progress: Progress | None = None,
                  log: StepLog | None = None, echo: Callable[[str], None] = print,
-                 after_step: Callable[[int, dict], None] | None = None):
+                 after_step: Callable[[int, dict], None] | None = None,
+                 warn: Callable[[str], None] | None = None):
         self.graph, self.session, self.batches = graph, session, batches
         self.optimizer, self.scaler, self.settings = optimizer, scaler, settings
         self.progress, self.log, self.echo, self.after_step = progress, log, echo, after_step
+        self.warn = warn   # the one-line report of a skipped non-finite step (None: silent)
         self.compute_dtype = compute_dtype(settings.precision)
         self.params = {n: v.astype(master_dtype(settings.precision)) for n, v in graph.initial.items()}
         self.history: list[dict] = []
@@ -88,6 +173,9 @@ class Trainer:
         self.fetches = list(graph.losses) + [graph.grads[p] for p in graph.params]
         self._loss_feeds = self._loss_gradient_templates()
         self._last_checkpoint: str | None = None
+        self._checkpoint_step: int | None = None    # step of the last checkpoint in place
+        self.nonfinite: dict[str, int] = {}       # skipped non-finite steps per kind
+        self._reported: set[str] = set()          # kinds already reported in this process
         self.stop_flag: StopFlag | None = None   # set while run() runs
 
     # -- setup --------------------------------------------------------------------------------
@@ -136,6 +224,13 @@ class Trainer:
                        for n, v in state.params.items()}
         self.step = state.step
         self.history = list(state.history)
+        self.nonfinite = {}
+        for record in self.history:
+            kind = record.get("nonfinite")
+            if kind:
+                self.nonfinite[kind] = self.nonfinite.get(kind, 0) + 1
+        self._last_checkpoint = ckpt.path_in(directory)
+        self._checkpoint_step = state.step
 
     # -- checkpoints ----------------------------------------------------------------------
     def save_checkpoint(self, directory: str) -> str:
@@ -149,6 +244,7 @@ class Trainer:
                   "batch_in_epoch": index},
             history=self.history, precision=self.settings.precision)
         self._last_checkpoint = ckpt.save(directory, state)
+        self._checkpoint_step = self.step
         return self._last_checkpoint
 
     def _checkpoint_due(self) -> bool:
@@ -174,12 +270,27 @@ class Trainer:
         _reseed(self.session, self.settings.seed * 1_000_003 + step)
         # FP16 overflow is expected while a loss scale searches for its level: the step is
         # detected below and skipped, so numpy's warnings about it are noise
-        with np.errstate(over="ignore", invalid="ignore"):
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             out = self._run_graph(feeds)
         loss = float(sum(np.sum(out[name], dtype=np.float64) for name in self.graph.losses))
         loss, grads, finite = self._gradients(out, scale, loss)
+        # both are agreed across ranks in a distributed run: every rank decides alike
+        kind = "loss" if not math.isfinite(loss) else None if finite else "gradients"
         scale_used = scale
-        applied = self.scaler.update(not finite)
+        if kind is not None and not self.scaler.dynamic:
+            finding = self._fault_message(step + 1, kind, loss, grads, feeds)
+            raise NonFiniteError(f"{finding}; training stopped, the update was not applied "
+                                 f"and {self._where_saved()}; --loss-scale dynamic would skip "
+                                 "such steps instead", finding)
+        applied = self.scaler.update(kind is not None)
+        if kind is not None:
+            self.nonfinite[kind] = self.nonfinite.get(kind, 0) + 1
+            if self.warn is not None and kind not in self._reported:
+                self._reported.add(kind)
+                self.warn(self._fault_message(step + 1, kind, loss, grads, feeds)
+                          + f"; step skipped, loss scale {scale_used:g} -> "
+                          f"{self.scaler.scale:g} (later non-finite {kind} steps are skipped "
+                          "and counted, not reported)")
         if applied:
             self.optimizer.step(self.params, grads)
         self.step += 1
@@ -187,8 +298,40 @@ class Trainer:
         record = {"step": self.step, "epoch": epoch, "loss": loss, "loss_scale": scale_used,
                   "skipped": self.scaler.skipped, "applied": applied,
                   "seconds": round(time.perf_counter() - started, 6)}
+        if kind is not None:
+            record["nonfinite"] = kind
         self.history.append(record)
         return record
+
+    # -- non-finite steps -------------------------------------------------------------------
+    def _fault_message(self, step: int, kind: str, loss: float, grads: dict, feeds: dict
+                       ) -> str:
+        if kind == "loss":
+            what = f"step {step}: loss is {loss}"
+        else:
+            bad = [(name, k) for name, grad in grads.items() if (k := _nonfinite(grad))]
+            name, k = bad[0] if bad else ("?", "non-finite")
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            what = f"step {step}: gradient of {name!r}{more} holds {k} (loss {loss:.6g})"
+        # the same Dropout masks as the step itself
+        _reseed(self.session, self.settings.seed * 1_000_003 + step - 1)
+        found = locate_nonfinite(self.session, feeds, set(self.params))
+        if found is None:
+            comm = getattr(self, "comm", None)   # a distributed trainer's communicator
+            found = ("this rank's share of the batch gave finite values when run again "
+                     "(the rank whose share produced it names the node)"
+                     if comm is not None and comm.size > 1 else
+                     "every tensor was finite when the step was run again")
+        return f"{what}; {found}"
+
+    def _where_saved(self) -> str:
+        directory = self.settings.checkpoint_dir
+        if self._last_checkpoint and self._checkpoint_step is not None:
+            return (f"the last good checkpoint {self._last_checkpoint} (step "
+                    f"{self._checkpoint_step}) was left as it was")
+        if directory:
+            return f"no checkpoint had been saved in {directory} yet"
+        return "nothing was saved (--checkpoint DIR would keep the last good state)"
 
     # -- hooks a distributed trainer overrides (see .distributed) ---------------------------
     def _run_graph(self, feeds: dict) -> dict:
@@ -215,27 +358,29 @@ class Trainer:
         settings = self.settings
         interrupted = False
         items = self.batches.batch_size
-        with StopFlag() as stop:
-            self.stop_flag = stop
-            while self.step < settings.total_steps:
-                record = self.train_step()
-                if self.log is not None:
-                    self.log.write(record)
-                if self.progress is not None:
-                    self.progress.update(self.step, record["loss"], items, record["skipped"],
-                                         record["loss_scale"])
-                if self.after_step is not None:
-                    self.after_step(self.step, record)
-                if settings.checkpoint_dir and self._checkpoint_due():
-                    self.save_checkpoint(settings.checkpoint_dir)
-                if self._stop_requested(stop) and self.step < settings.total_steps:
-                    interrupted = True
-                    break
-        if self.progress is not None:
-            self.progress.close()
+        try:
+            with StopFlag() as stop:
+                self.stop_flag = stop
+                while self.step < settings.total_steps:
+                    record = self.train_step()
+                    if self.log is not None:
+                        self.log.write(record)
+                    if self.progress is not None:
+                        self.progress.update(self.step, record["loss"], items,
+                                             record["skipped"], record["loss_scale"])
+                    if self.after_step is not None:
+                        self.after_step(self.step, record)
+                    if settings.checkpoint_dir and self._checkpoint_due():
+                        self.save_checkpoint(settings.checkpoint_dir)
+                    if self._stop_requested(stop) and self.step < settings.total_steps:
+                        interrupted = True
+                        break
+        finally:
+            if self.progress is not None:
+                self.progress.close()
         target = settings.checkpoint_dir or (settings.interrupt_dir if interrupted else None)
         if target:
             self.save_checkpoint(target)
         return TrainResult({n: v.astype(np.float32) for n, v in self.params.items()},
                            self.history, self.step, self.scaler.skipped, interrupted,
-                           self._last_checkpoint)
+                           self._last_checkpoint, dict(self.nonfinite))

@@ -48,6 +48,14 @@ class Progress:
         elif step == self.total or step == self.start + 1 or (step - self.start) % self.every == 0:
             self.echo(f"step {step}/{self.total}  {status}")
 
+    def note(self, text: str) -> None:
+        """A line of its own between progress updates (the bar is redrawn by the next one)."""
+        if self.is_tty:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self._last_draw = 0.0
+        self.echo(text)
+
     def close(self) -> None:
         if self.is_tty:
             self.stream.write("\n")
@@ -67,17 +75,29 @@ class StepLog:
         if not os.path.isdir(folder):
             raise GraphoptError(f"--log {path}: folder {folder} does not exist")
         fresh = not (append and os.path.exists(path))
-        self.file = open(path, "w" if fresh else "a", newline="", encoding="utf-8")  # noqa: SIM115
+        self.path = path
+        try:
+            self.file = open(path, "w" if fresh else "a",  # noqa: SIM115
+                             newline="", encoding="utf-8")
+        except OSError as exc:
+            raise GraphoptError(f"--log {path}: cannot open it: {exc.strerror or exc}") from None
         self.writer = csv.DictWriter(self.file, LOG_FIELDS) if self.kind == "csv" else None
         if self.writer is not None and fresh:
             self.writer.writeheader()
 
     def write(self, record: dict) -> None:
-        if self.writer is not None:
-            self.writer.writerow({k: record.get(k) for k in LOG_FIELDS})
-        else:
-            self.file.write(json.dumps({k: record.get(k) for k in LOG_FIELDS}) + "\n")
-        self.file.flush()
+        try:
+            if self.writer is not None:
+                self.writer.writerow({k: record.get(k) for k in LOG_FIELDS})
+            else:
+                self.file.write(json.dumps({k: record.get(k) for k in LOG_FIELDS}) + "\n")
+            self.file.flush()
+        except OSError as exc:   # disk full, quota: one line, like a failed checkpoint save
+            raise GraphoptError(f"--log {self.path}: cannot write step {record.get('step')}: "
+                                f"{exc.strerror or exc}") from None
 
     def close(self) -> None:
-        self.file.close()
+        try:
+            self.file.close()
+        except OSError:   # what did not fit was reported by write()
+            pass

@@ -21,7 +21,7 @@ from . import checkpoint as ckpt
 from . import distributed
 from .data import Batches, load_npz
 from .export import plot_losses, require_matplotlib, save_model, trained_model
-from .loop import LoopSettings, Trainer, TrainResult
+from .loop import LoopSettings, NonFiniteError, Trainer, TrainResult
 from .loss_scaling import parse_loss_scale
 from .optimizers import make_optimizer
 from .precision import check_precision
@@ -154,6 +154,13 @@ def run(opts: RunOptions, echo: Callable[[str], None] = print, *, progress_strea
         return _run(opts, echo, progress_stream, after_step, dist)
     except SystemExit:
         raise
+    except NonFiniteError as exc:
+        # decided alike on every rank at the same step (the loss and the overflow flag are
+        # all-reduced first): every rank stops on its own, no rank is left waiting
+        if dist.size == 1 or dist.writer:
+            raise
+        raise NonFiniteError(f"[rank {dist.rank}/{dist.size}] {exc.finding}",
+                             exc.finding) from None
     except BaseException as exc:
         if dist.size == 1:
             raise
@@ -215,7 +222,8 @@ def _run(opts: RunOptions, echo, progress_stream, after_step,
     log = StepLog(opts.log, append=opts.resume) if opts.log and writer else None
     progress = None if opts.quiet or not writer else Progress(
         total, unit="samples", stream=progress_stream, echo=echo)
-    common = dict(progress=progress, log=log, echo=echo, after_step=after_step)
+    warn = progress.note if progress is not None else None   # not with -q, rank 0 only
+    common = dict(progress=progress, log=log, echo=echo, after_step=after_step, warn=warn)
     if dist is None:
         trainer = Trainer(graph, session, batches, optimizer, scaler, settings, **common)
     else:
@@ -251,9 +259,12 @@ def _finish(opts: RunOptions, outcome: RunOutcome, say, echo) -> None:
     result = outcome.result
     if result.history:
         first, last = result.history[0]["loss"], result.history[-1]["loss"]
-        tail = result.losses[-10:]
+        tail = [value for value in result.losses if np.isfinite(value)][-10:] or [np.nan]
+        counts = ", ".join(f"non-finite {kind} {count}"
+                           for kind, count in sorted(result.nonfinite.items()))
         say(f"loss: first step {first:.4f}, last step {last:.4f} "
-            f"(mean of the last {len(tail)}: {np.mean(tail):.4f}); skipped steps {result.skipped}")
+            f"(mean of the last {len(tail)}: {np.mean(tail):.4f}); skipped steps {result.skipped}"
+            + (f" ({counts})" if counts else ""))
     if result.interrupted:
         where = result.checkpoint or "(nothing saved)"
         echo(f"interrupted after step {result.steps_done}; checkpoint {where}; continue with "
