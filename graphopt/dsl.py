@@ -190,6 +190,16 @@ def single_consumer(node: str, reason: str | None = None) -> Callable:
 FLOAT_TYPES = frozenset({1, 10, 11, 16})  # float, float16, double, bfloat16
 
 
+def _bound_tensor(m, name: str) -> str:
+    """match.bound_tensor, imported on first use (match imports this module); the global
+    is then rebound to it."""
+    global _bound_tensor
+    from .match import bound_tensor
+
+    _bound_tensor = bound_tensor
+    return bound_tensor(m, name)
+
+
 def is_float(*names: str, reason: str | None = None) -> Callable:
     """The element type shared by these tensors (one known suffices) is a float type."""
 
@@ -197,7 +207,7 @@ def is_float(*names: str, reason: str | None = None) -> Callable:
         graph = m.graph
         for infer in (False, True):  # cheap lookups for all names before any inference
             for name in names:
-                elem = graph.elem_type(getattr(m, name).name, infer=infer)
+                elem = graph.elem_type(_bound_tensor(m, name), infer)
                 if elem is not None:
                     return True if elem in FLOAT_TYPES else (
                         reason or f"'{name}' has element type {elem}, not a float type")

@@ -98,14 +98,17 @@ class Engine:
                       budget: int) -> int:
         if not rules:
             return 0
-        # (domain, op_type) -> (rule, compiled pattern, stats, explained?) for the rules
-        # anchored there, everything the loop below needs per candidate
+        # (domain, op_type) -> (rule, compiled pattern, stats, explained?, generated matcher)
+        # for the rules anchored there, everything the loop below needs per candidate
         by_anchor: dict[tuple[str, str], list[tuple]] = {}
         for rule in rules:
             compiled = self._compiled[id(rule)]
-            entry = (rule, compiled, report.stats(rule), rule.name in self.explain)
+            stats, explained = report.stats(rule), rule.name in self.explain
             for key in compiled.anchor_types:
-                by_anchor.setdefault(key, []).append(entry)
+                # the matcher generated for this anchor type (None: a fan-out, matched at
+                # the tensor the node reads)
+                fast = compiled.fast_by_key.get(key) if compiled.anchors_at_node else None
+                by_anchor.setdefault(key, []).append((rule, compiled, stats, explained, fast))
         candidates = sorted({node_id for key in by_anchor for node_id in graph.by_type.get(key, ())},
                             key=graph.order.__getitem__)
         queue = deque(candidates)
@@ -119,28 +122,32 @@ class Engine:
             key = op_keys.get(node_id)
             if key is None:
                 continue  # removed by an earlier rewrite
-            for rule, compiled, rule_stats, explained in by_anchor[key]:
+            for rule, compiled, rule_stats, explained, fast in by_anchor[key]:
                 if node_id not in op_keys:
                     break
-                if compiled.anchors_at_node:
+                if fast is not None:
                     anchor = node_id
-                else:
+                    rule_stats.candidates += 1
+                    if explained:
+                        found = None  # _try runs the matcher that says why it missed
+                    else:
+                        found = fast(graph, node_id)
+                        if found is None:
+                            continue  # most candidates: rejected by the first checks
+                else:  # a fan-out: anchored at the tensor the node reads
                     anchor = compiled.anchor_of(graph, node_id)
-                    if anchor is None:
+                    if anchor is None or (id(rule), anchor) in tried:
                         continue
-                    if isinstance(anchor, str):
-                        if (id(rule), anchor) in tried:
-                            continue
-                        tried.add((id(rule), anchor))
-                rule_stats.candidates += 1
-                if explained:
-                    viable = None  # _try runs the matcher that says why it missed
-                else:
-                    viable = compiled.viable(graph, anchor)
-                    if not viable:
-                        continue  # rejected by the pre-checks: too cheap to time
+                    tried.add((id(rule), anchor))
+                    rule_stats.candidates += 1
+                    found = None if explained else compiled.full_match(graph, anchor)
+                    if isinstance(found, Miss):
+                        continue
+                    if found is not None:
+                        bindings, roots = found
+                        found = Match(graph, bindings, bindings.kinds, bindings.nodes, roots)
                 start = time.perf_counter()
-                touched = self._try(model, graph, rule, compiled, anchor, rule_stats, viable)
+                touched = self._try(model, graph, rule, compiled, anchor, rule_stats, found)
                 rule_stats.seconds += time.perf_counter() - start
                 if touched is None:
                     continue
@@ -160,25 +167,19 @@ class Engine:
                     return rewrites
         return rewrites
 
-    def _try(self, model, graph, rule: Rule, compiled, anchor, stats, viable=None):
-        """Match, check, rewrite; returns the node ids to revisit, or None.
+    def _try(self, model, graph, rule: Rule, compiled, anchor, stats, found=None):
+        """Check and rewrite a match; returns the node ids to revisit, or None.
 
-        ``viable``: the full matchers worth running (see CompiledPattern.viable); None to
-        run the matcher that records why a candidate misses (rules being explained)."""
-        if viable is None:
+        ``found``: the Match found; None to run the matcher that records why a candidate
+        misses (rules being explained)."""
+        if found is None:
             found = compiled.match(graph, anchor)
             if isinstance(found, Miss):
                 self._near_miss(graph, rule, anchor, found, stats)
                 return None
-        else:
-            for full_match in viable:
-                found = full_match(graph, anchor)
-                if not isinstance(found, Miss):
-                    break
-            else:
-                return None
-        bindings, roots = found
-        m = Match(graph, bindings, roots)
+            bindings, roots = found
+            found = Match(graph, bindings, bindings.kinds, bindings.nodes, roots)
+        m = found
         for constraint in rule.where:
             verdict = constraint(m)
             if verdict is not True and verdict is not None:
@@ -192,7 +193,11 @@ class Engine:
             return None
         graph.begin()
         try:
-            touched = Rewriter(model, graph, rule, m).apply(result)
+            touched = None
+            if type(result) is OpExpr:
+                touched = _rewrite_single(model, graph, rule, m, result)
+            if touched is None:
+                touched = Rewriter(model, graph, rule, m).apply(result)
             if self.validate_each:
                 _validate_model(model)
         except (RewriteRejected, onnx.checker.ValidationError,
@@ -237,6 +242,106 @@ def _validate_model(model: Model) -> None:
     else:
         onnx.checker.check_model(proto)
     onnx.shape_inference.infer_shapes(proto, strict_mode=True)
+
+
+def _rewrite_single(model: Model, graph: Graph, rule: Rule, m: Match, expr: OpExpr):
+    """Rewriter.apply for the commonest result, straight-line: one new node from matched
+    tensors replacing the single-output root and taking its output's name. Returns the
+    nodes to revisit, or None (before changing anything) for any other result."""
+    roots = m.roots
+    if len(roots) != 1 or expr.n_outputs != 1:
+        return None
+    root = roots[0]
+    outputs = graph.node_outputs[root]
+    if len(outputs) != 1:
+        return None
+    old = outputs[0]
+    if not old or graph.producer[old] != root:
+        return None
+    inputs = []
+    for value in expr.inputs:
+        kind = type(value)
+        if kind is TensorView:
+            inputs.append(value.name)
+        elif value is None:
+            inputs.append("")
+        elif kind is str:
+            inputs.append(value)
+        else:
+            return None  # an expression to build, a constant to add: the general path
+    inputs = tuple(inputs)
+    # What Rewriter.apply does for such a result, in the same order.
+    names, nodes = model.names, graph.nodes
+    root_node = nodes[root]
+    node = graph.new_node(_node_template(expr.op_type, expr.domain, expr.attrs))
+    node.name = names.fresh(_name_hint(root_node.name or rule.name, expr.op_type))
+    node.input.extend(inputs)
+    node.output.append(old)
+    attributes = root_node.attribute
+    sticky = [attr for attr in attributes if attr.name in STICKY_ATTRIBUTES] \
+        if attributes else None
+    base = graph.order[root]
+    removed_inputs = graph.node_inputs[root]
+    graph.remove_node(root)
+    if sticky:
+        node.attribute.extend(sticky)
+    domain = expr.domain or STANDARD_DOMAIN
+    if domain == "ai.onnx":
+        domain = STANDARD_DOMAIN
+    order = base + (0,)
+    new_id = graph.add_node(node, order, (inputs, outputs), (domain, expr.op_type))
+    # Rewriter._check for this one node
+    producers, order_of = graph.producer, graph.order
+    in_main_graph = graph is model.graph
+    for name in inputs:
+        if not name:
+            continue
+        producer = producers.get(name)
+        if producer is not None:
+            if order_of[producer] >= order:
+                raise RewriteRejected(f"'{name}' would be used before it is produced")
+        elif in_main_graph and name not in graph.initializers and name not in graph.input_set:
+            raise RewriteRejected(f"'{name}' is not defined in the graph")
+    if domain == STANDARD_DOMAIN:
+        _infer(graph, node, model.opset(STANDARD_DOMAIN) or 1)
+    dead = graph.remove_dead(removed_inputs)
+    if expr.domain:
+        model.ensure_opset(expr.domain, 1)
+    # Rewriter._neighbourhood
+    consumers = graph.consumers
+    touched = {new_id: None}
+    for name in inputs:
+        if name in producers:
+            touched[producers[name]] = None
+        users = consumers.get(name)
+        if users:
+            touched.update(users)
+    users = consumers.get(old)
+    if users:
+        touched.update(users)
+    for name in dead:
+        users = consumers.get(name)
+        if users:
+            touched.update(users)
+    for name in removed_inputs:
+        users = consumers.get(name)
+        if users:
+            touched.update(users)
+    return touched
+
+
+_HINTS: dict[tuple[str, str], str] = {}
+
+
+def _name_hint(stem: str, op_type: str) -> str:
+    """f"{stem}/{op_type}", kept for stems seen before (most are a rule's name: the nodes
+    a rule replaces are often unnamed), so the string and its hash are made once."""
+    hint = _HINTS.get((stem, op_type))
+    if hint is None:
+        hint = f"{stem}/{op_type}"
+        if len(_HINTS) < 4096:
+            _HINTS[stem, op_type] = hint
+    return hint
 
 
 class Rewriter:
@@ -428,37 +533,40 @@ class Rewriter:
                 raise RewriteRejected(f"graph output '{old}' would lose its producer")
 
     def _infer(self, node: onnx.NodeProto, opset: int) -> None:
-        """Per-node ONNX inference with the input types we know; must agree with old types."""
-        try:
-            schema = onnx.defs.get_schema(node.op_type, opset, STANDARD_DOMAIN)
-        except onnx.defs.SchemaError:
-            raise RewriteRejected(f"{node.op_type} does not exist at opset {opset}") from None
-        graph = self.graph
-        inputs = list(node.input)
-        known = {}
-        for name in inputs:
-            if name and name in graph.types:
-                known[name] = graph.types[name]
-            elif name:
-                elem = graph.elem_type(name)
-                shape = graph.static_shape(name)
-                if elem is None:
-                    return  # partial knowledge: the final whole-model check decides
-                known[name] = onnx.helper.make_tensor_type_proto(elem, shape)
-        try:
-            inferred = onnx.shape_inference.infer_node_outputs(
-                schema, node, known,
-                {n: graph.initializers[n] for n in inputs if n in graph.initializers})
-        except (onnx.shape_inference.InferenceError, RuntimeError) as exc:
-            raise RewriteRejected(f"{node.op_type} '{node.name}': "
-                                  f"{str(exc).strip().splitlines()[0]}") from None
-        for out, type_proto in inferred.items():
-            old = graph.types.get(out)
-            if old is None:
-                graph.set_type(out, type_proto)
-            elif not _compatible(old, type_proto):
-                raise RewriteRejected(f"'{out}' would change type/shape from "
-                                      f"{_type_str(old)} to {_type_str(type_proto)}")
+        _infer(self.graph, node, opset)
+
+
+def _infer(graph: Graph, node: onnx.NodeProto, opset: int) -> None:
+    """Per-node ONNX inference with the input types we know; must agree with old types."""
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, STANDARD_DOMAIN)
+    except onnx.defs.SchemaError:
+        raise RewriteRejected(f"{node.op_type} does not exist at opset {opset}") from None
+    inputs = list(node.input)
+    known = {}
+    for name in inputs:
+        if name and name in graph.types:
+            known[name] = graph.types[name]
+        elif name:
+            elem = graph.elem_type(name)
+            shape = graph.static_shape(name)
+            if elem is None:
+                return  # partial knowledge: the final whole-model check decides
+            known[name] = onnx.helper.make_tensor_type_proto(elem, shape)
+    try:
+        inferred = onnx.shape_inference.infer_node_outputs(
+            schema, node, known,
+            {n: graph.initializers[n] for n in inputs if n in graph.initializers})
+    except (onnx.shape_inference.InferenceError, RuntimeError) as exc:
+        raise RewriteRejected(f"{node.op_type} '{node.name}': "
+                              f"{str(exc).strip().splitlines()[0]}") from None
+    for out, type_proto in inferred.items():
+        old = graph.types.get(out)
+        if old is None:
+            graph.set_type(out, type_proto)
+        elif not _compatible(old, type_proto):
+            raise RewriteRejected(f"'{out}' would change type/shape from "
+                                  f"{_type_str(old)} to {_type_str(type_proto)}")
 
 
 def _output_key(expr) -> tuple[int, int] | None:

@@ -282,12 +282,16 @@ class Graph:
 
     # ---- indexing ----------------------------------------------------------------
     def _index(self, node: onnx.NodeProto, order: tuple, node_id: int | None = None,
-               edges: tuple[tuple[str, ...], tuple[str, ...]] | None = None) -> int:
+               edges: tuple[tuple[str, ...], tuple[str, ...]] | None = None,
+               key: tuple[str, str] | None = None) -> int:
         node_id = next(self._ids) if node_id is None else node_id
         self.nodes[node_id] = node
         self.order[node_id] = order
-        domain, op_type = node.domain, node.op_type
-        key = (STANDARD_DOMAIN if domain == "ai.onnx" else domain, op_type)
+        if key is None:
+            domain, op_type = node.domain, node.op_type
+            key = (STANDARD_DOMAIN if domain == "ai.onnx" else domain, op_type)
+        else:
+            domain, op_type = key
         self.op_keys[node_id] = key
         by_type = self.by_type.get(key)
         if by_type is None:
@@ -393,10 +397,12 @@ class Graph:
             self.journal.append((undo, *args))
 
     def add_node(self, node: onnx.NodeProto, order: tuple,
-                 edges: tuple[tuple[str, ...], tuple[str, ...]] | None = None) -> int:
+                 edges: tuple[tuple[str, ...], tuple[str, ...]] | None = None,
+                 key: tuple[str, str] | None = None) -> int:
         """Add ``node`` at ``order``. ``edges``, if given, must be the node's (inputs,
-        outputs) as tuples: a caller that has just written them saves reading them back."""
-        node_id = self._index(node, order, None, edges)
+        outputs) as tuples, and ``key`` its (normalized domain, op_type): a caller that has
+        just written them saves reading them back."""
+        node_id = self._index(node, order, None, edges, key)
         self.changed = True
         if self.journal is not None:
             self.journal.append((self._unindex, node_id))
@@ -475,19 +481,21 @@ class Graph:
         any more, and so on upstream; returns the tensors whose producers went away."""
         consumers, protected, producers = self.consumers, self.protected, self.producer
         dead_tensors = []
-        stack = [n for n in dict.fromkeys(candidates) if n]
+        stack = list(dict.fromkeys(candidates))
         while stack:
             name = stack.pop()
-            if name in protected or consumers.get(name):
+            if not name or name in protected or consumers.get(name):
                 continue
             producer = producers.get(name)
             if producer is not None:
-                if _any_used(self.node_outputs[producer], consumers, protected):
+                outputs = self.node_outputs[producer]
+                # (a single output is ``name``, just found unused)
+                if len(outputs) > 1 and _any_used(outputs, consumers, protected):
                     continue
                 inputs = self.node_inputs[producer]
                 self.remove_node(producer)
                 dead_tensors.append(name)
-                stack.extend([n for n in inputs if n])
+                stack.extend(inputs)
             elif name in self.initializers and name not in self.input_set:
                 self.remove_initializer(name)
         return dead_tensors

@@ -1,6 +1,8 @@
 """Compiles DSL patterns into matcher closures and gives rules a view of what matched."""
 from __future__ import annotations
 
+import collections
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -264,13 +266,254 @@ def _single_producer_precheck(arity: int, position: int, key: tuple[str, str]):
     return precheck
 
 
+def _binding_kinds(pattern: OpExpr, kinds: dict) -> bool:
+    """Collects name -> kind of everything ``pattern`` binds; False if a name is bound with
+    two kinds (the generated matcher keeps one variable per name; such patterns keep the
+    closure matcher, whose shared dict they rely on)."""
+    def put(name, kind):
+        if kinds.setdefault(name, kind) != kind:
+            raise ValueError
+    try:
+        stack = [pattern]
+        while stack:
+            p = stack.pop()
+            for expected in p.attrs.values():
+                if isinstance(expected, AttrBinding):
+                    put(expected.name, "attr")
+            if p.bind:
+                put(p.bind, "node")
+            for i in p.inputs:
+                if isinstance(i, Var):
+                    put(i.name, "tensor")
+                elif isinstance(i, Const):
+                    put(i.name, "tensor")
+                elif isinstance(i, OpOutput):
+                    stack.append(i.op)
+                elif isinstance(i, OpExpr):
+                    stack.append(i)
+                else:
+                    return False
+    except ValueError:
+        return False
+    return True
+
+
+class _Emitter:
+    """Writes one specialised Python function per anchor op type of a rule: every
+    alternative's pre-check and full match, inlined, with a local variable per binding.
+
+    It does exactly what the closure matchers do after a passing pre-check, in the same
+    order (a Var bound twice compares, a Const and an attribute predicate are evaluated at
+    the same point), and a commutative op tries its operand orders greedily as
+    _match_either_order does (the first order that matches its subtree is kept, without
+    backtracking into it later). Instead of a Miss it leaves the alternative (``break``);
+    the closure matchers still say why, for --explain."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self.namespace: dict = {"get_attr": get_attr, "_same_attr": _same_attr}
+        self.counter = 0
+
+    def const(self, value) -> str:
+        name = f"K{len(self.namespace)}"
+        self.namespace[name] = value
+        return name
+
+    def fresh(self, stem: str) -> str:
+        self.counter += 1
+        return f"{stem}{self.counter}"
+
+    def emit(self, indent: int, line: str) -> None:
+        self.lines.append("    " * indent + line)
+
+    def alternative(self, pattern: OpExpr, indent: int) -> None:
+        """One alternative at node ``nid`` (already known to have the anchor op type)."""
+        kinds: dict = {}
+        _binding_kinds(pattern, kinds)
+        self.variables = {name: f"v_{i}" for i, name in enumerate(kinds)}
+        self.node_vars = self._preorder(pattern, ())
+        self.prechecked: set[tuple] = set()  # paths whose producer the pre-check found
+        self.emit(indent, "while True:")
+        indent += 1
+        self._precheck(pattern, indent)
+        self._node(pattern, (), "ins", indent, set())
+        values = ", ".join(f"{name!r}: {var}" for name, var in self.variables.items())
+        self.emit(indent, f"return {self.const(match_class(kinds))}(graph, {{{values}}}, "
+                          f"{self.const(kinds)}, [{', '.join(self.node_vars)}], [nid])")
+
+    def _precheck(self, pattern: OpExpr, indent: int) -> None:
+        """compile_precheck's test, literally (it runs before anything else matches)."""
+        arity = len(pattern.inputs)
+        required = [(position, (p.op.domain, p.op.op_type) if isinstance(p, OpOutput)
+                     else (p.domain, p.op_type))
+                    for position, p in enumerate(pattern.inputs)
+                    if isinstance(p, (OpExpr, OpOutput))]
+        if not required and not arity:
+            return
+        self.emit(indent, f"if len(ins) < {arity}: break")
+        layouts = [required]
+        if pattern.commutative and arity == 2 and required:
+            layouts.append([(1 - position, key) for position, key in required])
+        if len(layouts) == 1:
+            # one layout: the producers it looks up are the ones the match goes on with
+            for position, key in required:
+                producer = self._node_var((position,))
+                self.emit(indent, f"{producer} = producer_get(ins[{position}])")
+                self.emit(indent, f"if op_keys_get({producer}) != {self.const(key)}: break")
+                self.prechecked.add((position,))
+            return
+        conditions = [" and ".join(f"op_keys_get(producer_get(ins[{position}])) == "
+                                   f"{self.const(key)}" for position, key in layout)
+                      for layout in layouts if layout]
+        if conditions:
+            self.emit(indent, f"if not ({' or '.join(f'({c})' for c in conditions)}): break")
+
+    @staticmethod
+    def _node_var(path: tuple) -> str:
+        return "nid" if not path else "n_" + "_".join(map(str, path))
+
+    def _preorder(self, pattern: OpExpr, path: tuple) -> list[str]:
+        """The matched node ids in the order the closure matcher appends them: a node, then
+        its inputs by pattern position (in either operand order of a commutative op)."""
+        found = [self._node_var(path)]
+        for position, p in enumerate(pattern.inputs):
+            if isinstance(p, (OpExpr, OpOutput)):
+                found += self._preorder(p.op if isinstance(p, OpOutput) else p,
+                                        path + (position,))
+        return found
+
+    def _node(self, pattern: OpExpr, path: tuple, ins: str, indent: int, bound: set) -> set:
+        nid = self._node_var(path)
+        arity = len(pattern.inputs)
+        if path:
+            if path not in self.prechecked:
+                self.emit(indent, f"if op_keys[{nid}] != "
+                                  f"{self.const((pattern.domain, pattern.op_type))}: break")
+            self.emit(indent, f"{ins} = node_inputs[{nid}]")
+            self.emit(indent, f"if len({ins}) < {arity}: break")
+        # (the root's arity was tested by the pre-check)
+        if pattern.attrs:
+            node = self.fresh("node")
+            self.emit(indent, f"{node} = nodes[{nid}]")
+            for name, expected in pattern.attrs.items():
+                actual = f"get_attr({node}, {name!r})"
+                if isinstance(expected, AttrBinding):
+                    var = self.variables[expected.name]
+                    value = self.fresh("a")
+                    self.emit(indent, f"{value} = {actual}")
+                    self.emit(indent, f"{var} = {self.const(expected.default)} if {value} is None "
+                                      f"else {value}")
+                    bound = bound | {expected.name}
+                elif callable(expected):
+                    self.emit(indent, f"if not {self.const(expected)}({actual}): break")
+                else:
+                    self.emit(indent, f"if not _same_attr({actual}, {self.const(expected)}): break")
+        if pattern.bind:
+            self.emit(indent, f"{self.variables[pattern.bind]} = {nid}")
+            bound = bound | {pattern.bind}
+        if pattern.commutative and arity == 2:
+            done = self.fresh("done")
+            self.emit(indent, f"{done} = False")
+            after = set()
+            for order in ((0, 1), (1, 0)):
+                if order == (1, 0):
+                    self.emit(indent, f"if not {done}:")
+                    indent += 1
+                self.emit(indent, "while True:")
+                trial = bound
+                for position, input_index in enumerate(order):
+                    trial = self._input(pattern.inputs[position], f"{ins}[{input_index}]",
+                                        path + (position,), indent + 1, trial)
+                self.emit(indent + 1, f"{done} = True")
+                self.emit(indent + 1, "break")
+                after = trial
+                if order == (1, 0):
+                    indent -= 1
+            self.emit(indent, f"if not {done}: break")
+            return after
+        for position, p in enumerate(pattern.inputs):
+            bound = self._input(p, f"{ins}[{position}]", path + (position,), indent, bound)
+        return bound
+
+    def _input(self, pattern, tensor_expr: str, path: tuple, indent: int, bound: set) -> set:
+        if isinstance(pattern, Var) and pattern.name not in bound:
+            # a first binding: straight into its variable (a miss leaves the alternative,
+            # or the operand order, and nothing reads the variable before its next write)
+            var = self.variables[pattern.name]
+            self.emit(indent, f"{var} = {tensor_expr}")
+            self.emit(indent, f"if not {var}: break")
+            return bound | {pattern.name}
+        tensor = self.fresh("t")
+        self.emit(indent, f"{tensor} = {tensor_expr}")
+        if isinstance(pattern, Var):
+            var = self.variables[pattern.name]
+            self.emit(indent, f"if not {tensor}: break")
+            self.emit(indent, f"if {var} != {tensor}: break")
+            return bound | {pattern.name}
+        if isinstance(pattern, Const):
+            value = self.fresh("c")
+            self.emit(indent, f"{value} = constant_value({tensor}) if {tensor} else None")
+            self.emit(indent, f"if {value} is None: break")
+            if pattern.scalar:
+                self.emit(indent, f"if {value}.size != 1: break")
+            if pattern.predicate is not None:
+                self.emit(indent, f"if not {self.const(pattern.predicate)}({value}): break")
+            self.emit(indent, f"{self.variables[pattern.name]} = {tensor}")
+            return bound | {pattern.name}
+        op_pattern = pattern.op if isinstance(pattern, OpOutput) else pattern
+        output_index = pattern.index if isinstance(pattern, OpOutput) else 0
+        producer = self._node_var(path)
+        if path not in self.prechecked:
+            self.emit(indent, f"{producer} = producer_get({tensor})")
+            self.emit(indent, f"if {producer} is None: break")
+        self.emit(indent, f"if node_outputs[{producer}][{output_index}] != {tensor}: break")
+        return self._node(op_pattern, path, self.fresh("ins"), indent, bound)
+
+
+_PROLOGUE = (("node_inputs", "graph.node_inputs"), ("op_keys", "graph.op_keys"),
+             ("op_keys_get", "graph.op_keys.get"), ("producer_get", "graph.producer.get"),
+             ("node_outputs", "graph.node_outputs"), ("nodes", "graph.nodes"),
+             ("constant_value", "graph.constant_value"))
+
+
+def _generatable(pattern: OpExpr) -> bool:
+    return _binding_kinds(pattern, {})
+
+
+def compile_fast(alternatives: list[tuple[OpExpr, Callable]]):
+    """One function ``fast(graph, node_id)`` for the alternatives anchored at one op type,
+    tried in order: the Match of the first that matches, or None.
+    ``alternatives``: (pattern, fallback) pairs; an alternative the generator does not
+    cover (a name bound with two kinds) runs ``fallback(graph, node_id)`` instead."""
+    emitter = _Emitter()
+    emit = emitter.emit
+    for pattern, fallback in alternatives:
+        if _generatable(pattern):
+            emitter.alternative(pattern, 1)
+        else:
+            found = emitter.fresh("found")
+            emit(1, f"{found} = {emitter.const(fallback)}(graph, nid)")
+            emit(1, f"if {found} is not None: return {found}")
+    emit(1, "return None")
+    body = "\n".join(emitter.lines)
+    prologue = ["def fast(graph, nid):"] + [
+        f"    {name} = {value}" for name, value in _PROLOGUE if re.search(rf"\b{name}\b", body)]
+    if re.search(r"\bins\b", body):
+        prologue.append("    ins = graph.node_inputs[nid]")
+    source = "\n".join(prologue) + "\n" + body
+    namespace = emitter.namespace
+    exec(compile(source, "<graphopt matcher>", "exec"), namespace)
+    fast = namespace["fast"]
+    fast.source = source
+    return fast
+
+
 class CompiledPattern:
     """What the engine drives: anchor op types and two ways to match at an anchor.
 
     ``match(graph, anchor)`` returns (bindings, roots) or a Miss saying why not (for
-    --explain). ``viable(graph, anchor)`` returns the full matchers worth running there,
-    those of the alternatives whose cheap pre-check passes, often none: most candidates
-    are rejected with a few dict lookups and no Miss built."""
+    --explain and fan-out rules). ``fast_by_key[op key](graph, node)`` is the generated
+    matcher the engine runs otherwise: a Match or None, with no Miss built."""
 
     def __init__(self, pattern: Expr | FanOut | OneOf):
         self.pattern = pattern
@@ -281,15 +524,18 @@ class CompiledPattern:
                 raise TypeError("one_of takes op patterns only")
             self.anchor_types = list(dict.fromkeys(
                 key for alt in alternatives for key in alt.anchor_types))
-            self.match, self.viable = self._first_of(alternatives)
+            self.match = self._first_of(alternatives)
             self.full_match = self.match
+            by_key: dict[tuple[str, str], list] = {}
+            for alt in alternatives:
+                for key in alt.anchor_types:
+                    by_key.setdefault(key, []).append((alt.pattern, alt._fallback()))
+            self.fast_by_key = {key: compile_fast(alts) for key, alts in by_key.items()}
             self.anchors_at_node = True
             self.anchor_of = lambda graph, node_id: node_id
         elif isinstance(pattern, FanOut):
             self.anchor_types = [("", t) for t in pattern.consumer_types]
             self.match = self.full_match = self._fan_out_matcher(pattern)
-            always = (self.match,)
-            self.viable = lambda graph, tensor: always
             self.anchors_at_node = False  # at the tensor the consumers read
             self.anchor_of = lambda graph, node_id: (
                 graph.node_inputs[node_id][pattern.input_index]
@@ -298,11 +544,27 @@ class CompiledPattern:
             self.anchor_types = [(pattern.domain, pattern.op_type)]
             self.full_match = self._op_matcher(pattern)
             self.precheck = compile_precheck(pattern)
-            self.match, self.viable = self._checked(self.precheck, self.full_match)
+            self.match = self._checked(self.precheck, self.full_match)
+            self.fast_by_key = {self.anchor_types[0]: compile_fast([(pattern, self._fallback())])}
             self.anchors_at_node = True
             self.anchor_of = lambda graph, node_id: node_id
         else:
             raise TypeError("a rule's match must be an op pattern or a fan_out")
+
+    def _fallback(self):
+        """What compile_fast runs for an alternative it does not generate code for: the
+        pre-check, then the full matcher; (bindings, kinds, nodes, roots) or None."""
+        precheck, full_match = self.precheck, self.full_match
+
+        def fallback(graph, node_id):
+            if precheck is not None and not precheck(graph, node_id):
+                return None
+            found = full_match(graph, node_id)
+            if isinstance(found, Miss):
+                return None
+            bindings, roots = found
+            return Match(graph, bindings, bindings.kinds, bindings.nodes, roots)
+        return fallback
 
     @staticmethod
     def _first_of(alternatives):
@@ -310,8 +572,6 @@ class CompiledPattern:
         for alt in alternatives:
             for key in alt.anchor_types:
                 by_anchor.setdefault(key, []).append(alt)
-        checks = {key: [(alt.precheck, alt.full_match) for alt in alts]
-                  for key, alts in by_anchor.items()}
 
         def match(graph, node_id):
             misses = []
@@ -321,29 +581,19 @@ class CompiledPattern:
                     return found
                 misses.append(found)
             return misses[0] if len(misses) == 1 else _JoinedMiss(misses)
-
-        def viable(graph, node_id):
-            return [full_match for precheck, full_match in checks.get(graph.op_keys[node_id], ())
-                    if precheck is None or precheck(graph, node_id)]
-        return match, viable
+        return match
 
     @staticmethod
     def _checked(precheck, full_match):
-        """match and viable for one op pattern: the pre-check, then the full matcher."""
+        """The pre-check, then the full matcher (whose Miss is built only if shown)."""
         if precheck is None:
-            always = (full_match,)
-            return full_match, lambda graph, node_id: always
+            return full_match
 
         def match(graph, node_id):
             if not precheck(graph, node_id):
                 return _RecheckedMiss(full_match, graph, node_id)
             return full_match(graph, node_id)
-
-        worth_it, none = (full_match,), ()
-
-        def viable(graph, node_id):
-            return worth_it if precheck(graph, node_id) else none
-        return match, viable
+        return match
 
     @staticmethod
     def _op_matcher(pattern: OpExpr):
@@ -450,34 +700,24 @@ class TensorView:
 class Match:
     """Attribute access to a pattern's bindings: ``m.a`` (tensor), ``m.t`` (node), ...
 
-    Tensor, node and attribute bindings are set as instance attributes up front: views are
-    cheap, and a lookup that fails over to ``__getattr__`` costs an AttributeError each
-    time. Node lists are made on access (a fresh list each time: the rule may change it).
-    A binding named like a Match attribute (``roots``, ``get``...) is shadowed by it."""
+    Views are made on first access and kept as instance attributes (later reads are plain
+    attribute hits): most rules read a few of their bindings, so building all of them up
+    front is wasted. Node lists are made on every access (a fresh list each time: the rule
+    may change it). A binding named like a Match attribute (``roots``, ``get``...) is
+    shadowed by it. Generated matchers build a subclass made for their bindings
+    (match_class), whose views come from descriptors rather than a failed lookup."""
 
-    def __init__(self, graph: Graph, bindings: Bindings, roots: list[int]):
-        attributes = self.__dict__
-        for name, kind in bindings.kinds.items():
-            if kind == "tensor":
-                attributes[name] = TensorView(graph, bindings[name])
-            elif kind == "node":
-                attributes[name] = NodeView(graph, bindings[name])
-            elif kind != "nodes":
-                attributes[name] = bindings[name]
-        # Match's own attributes win over bindings of the same name: the instance ones are
-        # set last, properties (graph, opset) win anyway, and the method is uncovered.
-        attributes.pop("get", None)
-        self._graph, self._bindings, self.roots = graph, bindings, roots
-        self.nodes = bindings.nodes
+    def __init__(self, graph: Graph, bindings: dict, kinds: dict, nodes: list,
+                 roots: list[int]):
+        self._graph, self._bindings, self._kinds = graph, bindings, kinds
+        self.roots, self.nodes = roots, nodes
 
     def __getattr__(self, name: str):
         try:
-            value = self._bindings[name]
+            kind = self.__dict__["_kinds"][name]
         except KeyError:
             raise AttributeError(f"pattern binds no '{name}'") from None
-        if self._bindings.kinds[name] == "nodes":
-            return [NodeView(self._graph, i) for i in value]
-        return value
+        return _VIEWS[kind](name).__get__(self, type(self))
 
     def get(self, name: str, default=None):
         return getattr(self, name) if name in self._bindings else default
@@ -489,6 +729,78 @@ class Match:
     @property
     def opset(self) -> int:
         return self._graph.model.opset("") or 1
+
+
+class _TensorBinding:
+    """A binding's view, made on first access and then kept in the instance's __dict__
+    (a non-data descriptor: the instance attribute wins from then on)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, m, owner=None):
+        if m is None:
+            return self
+        view = m.__dict__[self.name] = TensorView(m._graph, m._bindings[self.name])
+        return view
+
+
+class _NodeBinding(_TensorBinding):
+    __slots__ = ()
+
+    def __get__(self, m, owner=None):
+        if m is None:
+            return self
+        view = m.__dict__[self.name] = NodeView(m._graph, m._bindings[self.name])
+        return view
+
+
+class _ValueBinding(_TensorBinding):
+    __slots__ = ()
+
+    def __get__(self, m, owner=None):
+        if m is None:
+            return self
+        value = m.__dict__[self.name] = m._bindings[self.name]
+        return value
+
+
+class _NodesBinding(_TensorBinding):
+    __slots__ = ()
+
+    def __get__(self, m, owner=None):
+        if m is None:
+            return self
+        return [NodeView(m._graph, i) for i in m._bindings[self.name]]
+
+
+_VIEWS = {"tensor": _TensorBinding, "node": _NodeBinding, "nodes": _NodesBinding}
+_VIEWS = collections.defaultdict(lambda: _ValueBinding, _VIEWS)
+_OWN_NAMES = frozenset(dir(Match)) | {"_graph", "_bindings", "_kinds", "roots", "nodes"}
+
+
+def bound_tensor(m: Match, name: str) -> str:
+    """``getattr(m, name).name`` without making the view when ``name`` is a tensor binding
+    not yet looked at (constraints ask for many names and use nothing else)."""
+    try:
+        if m._kinds.get(name) == "tensor" and name not in m.__dict__ \
+                and name not in _OWN_NAMES:
+            return m._bindings[name]
+    except AttributeError:  # not a Match
+        pass
+    return getattr(m, name).name
+
+
+def match_class(kinds: dict) -> type:
+    """A Match subclass with a descriptor per binding of these kinds (names that Match
+    itself uses stay Match's: they are shadowed, as with a plain Match)."""
+    namespace = {}
+    for name, kind in kinds.items():
+        if name not in _OWN_NAMES and name.isidentifier():
+            namespace[name] = _VIEWS[kind](name)
+    return type("GeneratedMatch", (Match,), namespace)
 
 
 def tensor_dtype(elem_type: int) -> np.dtype:

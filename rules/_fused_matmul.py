@@ -30,6 +30,13 @@ def absorb_transpose(perm: tuple[int, ...], trans: bool, trans_batch: bool):
     return None
 
 
+@lru_cache(maxsize=1024)
+def absorb_flags(perm: tuple[int, ...], trans: int, trans_batch: int):
+    """absorb_transpose for flags as the attributes hold them (ints), answered as ints."""
+    flags = absorb_transpose(perm, bool(trans), bool(trans_batch))
+    return None if flags is None else (int(flags[0]), int(flags[1]))
+
+
 MATMUL_DEFAULTS = {"alpha": 1.0, "transA": 0, "transB": 0, "transBatchA": 0, "transBatchB": 0}
 
 

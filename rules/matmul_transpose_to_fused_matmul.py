@@ -2,7 +2,7 @@
 transA/transB/transBatchA/transBatchB; the Transpose stays only if something else reads it."""
 from graphopt.dsl import Rule, is_float, one_of, op, var
 
-from ._fused_matmul import absorb_transpose, fused_attrs
+from ._fused_matmul import absorb_flags, fused_attrs
 
 a, b = var("a"), var("b")
 
@@ -11,20 +11,30 @@ def _transposed(x, name):
     return op.Transpose(x, _name=name)
 
 
+def _absorb(attrs, transpose, trans, batch):
+    """Folds ``transpose`` into the flags ``attrs[trans]``, ``attrs[batch]``; a reason if
+    FusedMatMul cannot express it."""
+    perm = transpose.attr("perm")
+    if perm is None:
+        return "Transpose has no perm (reverses all dims; rank unknown)"
+    flags = absorb_flags(tuple(perm), attrs[trans], attrs[batch])
+    if flags is None:
+        return f"Transpose perm {list(perm)} is not expressible by FusedMatMul flags"
+    attrs[trans], attrs[batch] = flags
+    return None
+
+
 def fuse(m):
-    base = m.base
-    attrs = fused_attrs(base)
-    for side, transpose in (("A", m.get("ta")), ("B", m.get("tb"))):
-        if transpose is None:
-            continue
-        perm = transpose.attr("perm")
-        if perm is None:
-            return "Transpose has no perm (reverses all dims; rank unknown)"
-        flags = absorb_transpose(tuple(perm), bool(attrs["trans" + side]),
-                                 bool(attrs["transBatch" + side]))
-        if flags is None:
-            return f"Transpose perm {list(perm)} is not expressible by FusedMatMul flags"
-        attrs["trans" + side], attrs["transBatch" + side] = int(flags[0]), int(flags[1])
+    attrs = fused_attrs(m.base)
+    ta, tb = m.get("ta"), m.get("tb")
+    if ta is not None:
+        reason = _absorb(attrs, ta, "transA", "transBatchA")
+        if reason is not None:
+            return reason
+    if tb is not None:
+        reason = _absorb(attrs, tb, "transB", "transBatchB")
+        if reason is not None:
+            return reason
     if attrs["transBatchA"] or attrs["transBatchB"]:
         # onnxruntime's FusedMatMul kernel refuses transBatch unless both inputs have the
         # same rank >= 3 (matmul_helper.h: "Two inputs should have same rank and rank >= 3
@@ -34,7 +44,7 @@ def fuse(m):
             shown = ", ".join("unknown" if r is None else str(r) for r in ranks)
             return (f"transBatch needs both inputs of the same rank >= 3 (ranks {shown}); "
                     "onnxruntime rejects anything else")
-    if attrs["transA"] and m.get("ta") is not None:
+    if attrs["transA"] and ta is not None:
         # onnxruntime's CPU FusedMatMul computes wrong values for transA=1 with a rank-1 B
         # (found by tests/robustness: MatMul(Transpose(a), b[k]) came out different).
         # (An unknown rank is let through: after a YieldOp shapes are often unknown, and
