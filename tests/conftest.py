@@ -63,3 +63,18 @@ def assert_same_outputs(before: onnx.ModelProto, after: onnx.ModelProto, feeds=N
 
 def op_types(model: onnx.ModelProto) -> list[str]:
     return [n.op_type for n in model.graph.node]
+
+
+FUSED_MATMUL_DEFAULTS = {"alpha": 1.0, "transA": 0, "transB": 0, "transBatchA": 0,
+                         "transBatchB": 0}
+
+
+def fused(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [n for n in model.graph.node if n.op_type == "FusedMatMul"]
+
+
+def fused_attrs(node: onnx.NodeProto) -> dict:
+    """A FusedMatMul's attributes with the schema defaults filled in."""
+    attrs = dict(FUSED_MATMUL_DEFAULTS)
+    attrs.update({a.name: onnx.helper.get_attribute_value(a) for a in node.attribute})
+    return attrs

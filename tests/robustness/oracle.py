@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 
 import graphopt
+from conftest import random_feeds
 
 MS = "com.microsoft"
 
@@ -29,20 +30,6 @@ def strict_check(model: onnx.ModelProto) -> None:
 
 def has_yield(model: onnx.ModelProto) -> bool:
     return any(n.op_type == "YieldOp" and n.domain == MS for n in model.graph.node)
-
-
-def feeds_for(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    initializers = {t.name for t in model.graph.initializer}
-    feeds = {}
-    for vi in model.graph.input:
-        if vi.name in initializers:
-            continue
-        t = vi.type.tensor_type
-        shape = [d.dim_value for d in t.shape.dim]
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
-        feeds[vi.name] = rng.standard_normal(shape).astype(dtype)
-    return feeds
 
 
 def run_ort(model: onnx.ModelProto, feeds) -> dict[str, np.ndarray]:
@@ -91,7 +78,7 @@ def check_optimize(model: onnx.ModelProto, *, level: int = 2, seed: int = 0,
     strict_check(optimized)
     assert io_signature(optimized) == io_signature(model), "graph inputs/outputs changed"
 
-    feeds = feeds_for(model, seed)
+    feeds = random_feeds(model, seed)
     yields = has_yield(model)
     if use_ort is None:
         use_ort = not yields

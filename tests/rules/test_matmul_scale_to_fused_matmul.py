@@ -5,25 +5,12 @@ import os
 
 import onnx
 import pytest
-from conftest import assert_same_outputs, model_from_text, op_types
-from onnx import helper
+from conftest import FUSED_MATMUL_DEFAULTS as DEFAULTS
+from conftest import assert_same_outputs, fused, fused_attrs, model_from_text, op_types
 
 import graphopt
 
 RULE = "matmul_scale_to_fused_matmul"
-DEFAULTS = {"alpha": 1.0, "transA": 0, "transB": 0, "transBatchA": 0, "transBatchB": 0}
-
-
-def fused_attrs(node) -> dict:
-    attrs = dict(DEFAULTS)
-    attrs.update({a.name: helper.get_attribute_value(a) for a in node.attribute})
-    return attrs
-
-
-def fused(model):
-    return [n for n in model.graph.node if n.op_type == "FusedMatMul"]
-
-
 def run(model, rules=(RULE,), **kw):
     return graphopt.optimize(model, list(rules), **kw)
 
