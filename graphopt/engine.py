@@ -290,10 +290,20 @@ def _rewrite_single(model: Model, graph: Graph, rule: Rule, m: Match, expr: OpEx
         domain = STANDARD_DOMAIN
     order = base + (0,)
     new_id = graph.add_node(node, order, (inputs, outputs), (domain, expr.op_type))
-    # Rewriter._check for this one node
+    _check_new_node(model, graph, new_id)
+    dead = graph.remove_dead(removed_inputs)
+    if expr.domain:
+        model.ensure_opset(expr.domain, 1)
+    return _neighbourhood(graph, (new_id,), (*dead, *removed_inputs))
+
+
+def _check_new_node(model: Model, graph: Graph, node_id: int) -> None:
+    """Local checks of a node a rewrite added: its inputs exist and come before it, and
+    standard-domain nodes pass ONNX per-node inference agreeing with known types."""
     producers, order_of = graph.producer, graph.order
+    order = order_of[node_id]
     in_main_graph = graph is model.graph
-    for name in inputs:
+    for name in graph.node_inputs[node_id]:
         if not name:
             continue
         producer = producers.get(name)
@@ -302,28 +312,28 @@ def _rewrite_single(model: Model, graph: Graph, rule: Rule, m: Match, expr: OpEx
                 raise RewriteRejected(f"'{name}' would be used before it is produced")
         elif in_main_graph and name not in graph.initializers and name not in graph.input_set:
             raise RewriteRejected(f"'{name}' is not defined in the graph")
-    if domain == STANDARD_DOMAIN:
-        _infer(graph, node, model.opset(STANDARD_DOMAIN) or 1)
-    dead = graph.remove_dead(removed_inputs)
-    if expr.domain:
-        model.ensure_opset(expr.domain, 1)
-    # Rewriter._neighbourhood
-    consumers = graph.consumers
-    touched = {new_id: None}
-    for name in inputs:
-        if name in producers:
-            touched[producers[name]] = None
-        users = consumers.get(name)
-        if users:
-            touched.update(users)
-    users = consumers.get(old)
-    if users:
-        touched.update(users)
-    for name in dead:
-        users = consumers.get(name)
-        if users:
-            touched.update(users)
-    for name in removed_inputs:
+    if graph.op_keys[node_id][0] == STANDARD_DOMAIN:
+        _infer(graph, graph.nodes[node_id], model.opset(STANDARD_DOMAIN) or 1)
+
+
+def _neighbourhood(graph: Graph, new_ids, lost) -> dict[int, None]:
+    """What to revisit: the new nodes, their producers and consumers, and the remaining
+    consumers of tensors that lost a consumer or a producer (a fan-out rule on such a
+    tensor may match now)."""
+    producer, consumers = graph.producer, graph.consumers
+    touched = dict.fromkeys(new_ids)
+    for node_id in new_ids:
+        for name in graph.node_inputs[node_id]:
+            if name in producer:
+                touched[producer[name]] = None
+            users = consumers.get(name)
+            if users:
+                touched.update(users)
+        for name in graph.node_outputs[node_id]:
+            users = consumers.get(name)
+            if users:
+                touched.update(users)
+    for name in lost:
         users = consumers.get(name)
         if users:
             touched.update(users)
@@ -387,7 +397,7 @@ class Rewriter:
         dead = graph.remove_dead(removed_inputs)
         for domain in self.domains:
             self.model.ensure_opset(domain, 1)
-        return self._neighbourhood(new_ids, dead + removed_inputs)
+        return list(_neighbourhood(graph, new_ids, dead + removed_inputs))
 
     def _roots(self, mapping: dict) -> list[int]:
         """The nodes producing the replaced tensors, in graph order; each must be replaced
@@ -425,30 +435,6 @@ class Rewriter:
                 for i, name in enumerate(graph.node_inputs[consumer]):
                     if name == old:
                         graph.replace_input(consumer, i, new)
-
-    def _neighbourhood(self, new_ids: list[int], dead: list[str]) -> list[int]:
-        """What to revisit: the new nodes, their producers and consumers, and the remaining
-        consumers of tensors that lost a consumer or a producer (a fan-out rule on such a
-        tensor may match now)."""
-        graph = self.graph
-        producer, consumers = graph.producer, graph.consumers
-        touched = dict.fromkeys(new_ids)
-        for node_id in new_ids:
-            for name in graph.node_inputs[node_id]:
-                if name in producer:
-                    touched[producer[name]] = None
-                users = consumers.get(name)
-                if users:
-                    touched.update(users)
-            for name in graph.node_outputs[node_id]:
-                users = consumers.get(name)
-                if users:
-                    touched.update(users)
-        for name in dead:
-            users = consumers.get(name)
-            if users:
-                touched.update(users)
-        return list(touched)
 
     # ---- building the replacement ------------------------------------------------------
     def _mapping(self, result) -> dict[str, object]:
@@ -511,29 +497,13 @@ class Rewriter:
     # ---- checks and cleanup -----------------------------------------------------------
     def _check(self, new_ids: list[int], targets: dict[str, str]) -> None:
         graph = self.graph
-        producers, order_of, op_keys = graph.producer, graph.order, graph.op_keys
-        initializers, graph_inputs = graph.initializers, graph.input_set
-        in_main_graph = graph is self.model.graph
         for node_id in new_ids:
-            order = order_of[node_id]
-            for name in graph.node_inputs[node_id]:
-                if not name:
-                    continue
-                producer = producers.get(name)
-                if producer is not None:
-                    if order_of[producer] >= order:
-                        raise RewriteRejected(f"'{name}' would be used before it is produced")
-                elif in_main_graph and name not in initializers and name not in graph_inputs:
-                    raise RewriteRejected(f"'{name}' is not defined in the graph")
-            if op_keys[node_id][0] == STANDARD_DOMAIN:
-                self._infer(graph.nodes[node_id], self.model.opset(STANDARD_DOMAIN) or 1)
+            _check_new_node(self.model, graph, node_id)
         for old in targets:
-            if old in graph.protected and producers.get(old) is None \
-                    and old not in initializers and old not in graph_inputs:
+            if old in graph.protected and graph.producer.get(old) is None \
+                    and old not in graph.initializers and old not in graph.input_set:
                 raise RewriteRejected(f"graph output '{old}' would lose its producer")
 
-    def _infer(self, node: onnx.NodeProto, opset: int) -> None:
-        _infer(self.graph, node, opset)
 
 
 def _infer(graph: Graph, node: onnx.NodeProto, opset: int) -> None:
