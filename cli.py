@@ -7,6 +7,7 @@ import sys
 import click
 
 from graphopt import api, modelio
+from graphopt.console import INTERRUPTED
 from graphopt.errors import GraphoptError
 from graphopt.registry import all_rules
 
@@ -22,7 +23,7 @@ def user_errors(command):
             click.echo(f"graphopt: error: {exc}", err=True)
             sys.exit(1)
         except KeyboardInterrupt:
-            click.echo("graphopt: interrupted; nothing was written", err=True)
+            click.echo(INTERRUPTED, err=True)
             sys.exit(130)
         except MemoryError:
             click.echo("graphopt: error: out of memory", err=True)
@@ -30,7 +31,25 @@ def user_errors(command):
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class GraphoptGroup(click.Group):
+    """Click turns a Ctrl-C that lands outside a command body (while it parses arguments or
+    finishes) into "Aborted!" and exit code 1; here every interrupt exits 130 with one line."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, False, **extra)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except (click.Abort, KeyboardInterrupt):
+            click.echo(INTERRUPTED, err=True)
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=GraphoptGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="graphopt")
 def main():
     """graphopt: ONNX graph rewriting and a reference training executor."""

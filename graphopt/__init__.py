@@ -1,13 +1,35 @@
-"""graphopt: declarative ONNX graph rewriting and a reference training executor."""
+"""graphopt: declarative ONNX graph rewriting and a reference training executor.
+
+The public names load on first use, so that ``import graphopt`` is cheap: the console script
+(graphopt/console.py) can then guard the heavy imports against Ctrl-C.
+"""
+from __future__ import annotations
+
+import importlib
+
 __version__ = "0.1.0"
 
-from .api import optimize, optimize_file, select_rules  # noqa: E402
-from .dsl import (Pass, Rule, attr, check, const, constant, fan_out, is_float, one_of, op,  # noqa: E402,E501
-                  scalar_const, single_consumer, var)
-from .errors import GraphoptError  # noqa: E402
-from .modelio import load, save  # noqa: E402
-from .registry import all_rules, register  # noqa: E402
+_EXPORTS = {
+    "optimize": "api", "optimize_file": "api", "select_rules": "api",
+    "Pass": "dsl", "Rule": "dsl", "attr": "dsl", "check": "dsl", "const": "dsl",
+    "constant": "dsl", "fan_out": "dsl", "is_float": "dsl", "one_of": "dsl", "op": "dsl",
+    "scalar_const": "dsl", "single_consumer": "dsl", "var": "dsl",
+    "GraphoptError": "errors",
+    "load": "modelio", "save": "modelio",
+    "all_rules": "registry", "register": "registry",
+}
 
-__all__ = ["optimize", "optimize_file", "select_rules", "Rule", "Pass", "op", "var", "const",
-           "scalar_const", "attr", "check", "constant", "fan_out", "is_float", "GraphoptError",
-           "load", "save", "register", "all_rules"]
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'graphopt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -381,3 +381,42 @@ def test_console_script_is_installed(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.splitlines() == [
         f"graphopt: error: {tmp_path / 'missing.onnx'}: no such file"]
+
+
+# ---- Ctrl-C anywhere: one line, exit code 130 ----------------------------------------------
+def test_interrupt_while_click_parses_arguments_exits_130(monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(type(main), "make_context", interrupted)
+    result = CliRunner().invoke(main, ["rules"])
+    assert result.exit_code == 130
+    assert result.output.splitlines()[-1] == "graphopt: interrupted; nothing was written"
+    assert "Aborted" not in result.output
+
+
+INTERRUPT_DURING_IMPORTS = r"""
+import importlib.abc, os, signal, sys
+class InterruptOnImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "graphopt.cli":
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+sys.meta_path.insert(0, InterruptOnImport())
+from graphopt.console import main
+sys.argv = ["graphopt", "--version"]
+main()
+"""
+
+
+def test_interrupt_while_the_console_script_imports_exits_130(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", INTERRUPT_DURING_IMPORTS], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130
+    assert proc.stderr.splitlines() == ["graphopt: interrupted; nothing was written"]
+    assert proc.stdout == ""
+
+
+def test_python_dash_m_graphopt_is_the_command(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "graphopt", "--version"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "graphopt, version" in proc.stdout

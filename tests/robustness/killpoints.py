@@ -169,7 +169,11 @@ class KillRig:
             if result.stale_data_files and result.output_state == "absent":
                 result.problems.append(f"data file without its model after SIGINT "
                                        f"{result.stale_data_files}")
-            if proc.returncode not in (0, 130, -signal.SIGINT):
+            before_python_ran = "init_import_site" in stderr  # Python's own start-up
+            if before_python_ran:
+                result.notes.append("SIGINT while Python itself was starting: "
+                                    "init_import_site failed")
+            elif proc.returncode not in (0, 130, -signal.SIGINT):
                 result.problems.append(
                     f"exit code {proc.returncode} after SIGINT: {stderr[-300:]}")
             if proc.returncode != 130 and "Traceback" in stderr:
