@@ -204,10 +204,10 @@ def is_float(*names: str, reason: str | None = None) -> Callable:
     """The element type shared by these tensors (one known suffices) is a float type."""
 
     def constraint(m):
-        graph = m.graph
+        elem_type = m.graph.elem_type
         for infer in (False, True):  # cheap lookups for all names before any inference
             for name in names:
-                elem = graph.elem_type(_bound_tensor(m, name), infer)
+                elem = elem_type(_bound_tensor(m, name), infer)
                 if elem is not None:
                     return True if elem in FLOAT_TYPES else (
                         reason or f"'{name}' has element type {elem}, not a float type")

@@ -191,25 +191,35 @@ class Engine:
         if result is None or isinstance(result, str):
             self._near_miss(graph, rule, anchor, result or "the rewrite declined", stats)
             return None
+        if type(result) is OpExpr and not self.validate_each:
+            # the commonest result, checked before anything changes: no journal needed
+            try:
+                touched = _rewrite_single(model, graph, rule, m, result)
+            except RewriteRejected as exc:
+                self._rejected(graph, anchor, stats, exc)
+                return None
+            if touched is not None:
+                stats.rewrites += 1
+                return touched
         graph.begin()
         try:
-            touched = None
-            if type(result) is OpExpr:
-                touched = _rewrite_single(model, graph, rule, m, result)
-            if touched is None:
-                touched = Rewriter(model, graph, rule, m).apply(result)
+            touched = Rewriter(model, graph, rule, m).apply(result)
             if self.validate_each:
                 _validate_model(model)
         except (RewriteRejected, onnx.checker.ValidationError,
                 onnx.shape_inference.InferenceError) as exc:
             graph.rollback()
-            stats.rollbacks += 1
-            stats.rollback_reasons.append(
-                f"at {_anchor_label(graph, anchor)}: {str(exc).strip().splitlines()[0]}")
+            self._rejected(graph, anchor, stats, exc)
             return None
         graph.commit()
         stats.rewrites += 1
         return touched
+
+    @staticmethod
+    def _rejected(graph, anchor, stats, exc) -> None:
+        stats.rollbacks += 1
+        stats.rollback_reasons.append(
+            f"at {_anchor_label(graph, anchor)}: {str(exc).strip().splitlines()[0]}")
 
     def _near_miss(self, graph, rule, anchor, reason, stats) -> None:
         if rule.name in self.explain and len(stats.near_misses) < MAX_NEAR_MISSES:
@@ -246,8 +256,9 @@ def _validate_model(model: Model) -> None:
 
 def _rewrite_single(model: Model, graph: Graph, rule: Rule, m: Match, expr: OpExpr):
     """Rewriter.apply for the commonest result, straight-line: one new node from matched
-    tensors replacing the single-output root and taking its output's name. Returns the
-    nodes to revisit, or None (before changing anything) for any other result."""
+    tensors replacing the single-output root and taking its output's name. Everything is
+    checked before the graph changes (RewriteRejected leaves it as it was), so no journal is
+    kept. Returns the nodes to revisit, or None (nothing changed) for any other result."""
     roots = m.roots
     if len(roots) != 1 or expr.n_outputs != 1:
         return None
@@ -270,48 +281,54 @@ def _rewrite_single(model: Model, graph: Graph, rule: Rule, m: Match, expr: OpEx
         else:
             return None  # an expression to build, a constant to add: the general path
     inputs = tuple(inputs)
+    domain = expr.domain or STANDARD_DOMAIN
+    if domain == "ai.onnx":
+        domain = STANDARD_DOMAIN
+    base = graph.order[root]
+    order = base + (0,)
+    _check_inputs(model, graph, inputs, order, root)
     # What Rewriter.apply does for such a result, in the same order.
-    names, nodes = model.names, graph.nodes
-    root_node = nodes[root]
+    root_node = graph.nodes[root]
     node = graph.new_node(_node_template(expr.op_type, expr.domain, expr.attrs))
-    node.name = names.fresh(_name_hint(root_node.name or rule.name, expr.op_type))
+    node.name = model.names.fresh(_name_hint(root_node.name or rule.name, expr.op_type))
     node.input.extend(inputs)
     node.output.append(old)
+    if domain == STANDARD_DOMAIN:
+        _infer(graph, node, model.opset(STANDARD_DOMAIN) or 1)
     attributes = root_node.attribute
     sticky = [attr for attr in attributes if attr.name in STICKY_ATTRIBUTES] \
         if attributes else None
-    base = graph.order[root]
     removed_inputs = graph.node_inputs[root]
     graph.remove_node(root)
     if sticky:
         node.attribute.extend(sticky)
-    domain = expr.domain or STANDARD_DOMAIN
-    if domain == "ai.onnx":
-        domain = STANDARD_DOMAIN
-    order = base + (0,)
     new_id = graph.add_node(node, order, (inputs, outputs), (domain, expr.op_type))
-    _check_new_node(model, graph, new_id)
     dead = graph.remove_dead(removed_inputs)
     if expr.domain:
         model.ensure_opset(expr.domain, 1)
     return _neighbourhood(graph, (new_id,), (*dead, *removed_inputs))
 
 
-def _check_new_node(model: Model, graph: Graph, node_id: int) -> None:
-    """Local checks of a node a rewrite added: its inputs exist and come before it, and
-    standard-domain nodes pass ONNX per-node inference agreeing with known types."""
+def _check_inputs(model: Model, graph: Graph, inputs, order: tuple, replaced: int) -> None:
+    """The inputs of a node to be added at ``order`` in place of node ``replaced`` exist
+    and are produced before it."""
     producers, order_of = graph.producer, graph.order
-    order = order_of[node_id]
     in_main_graph = graph is model.graph
-    for name in graph.node_inputs[node_id]:
+    for name in inputs:
         if not name:
             continue
         producer = producers.get(name)
         if producer is not None:
-            if order_of[producer] >= order:
+            if producer == replaced or order_of[producer] >= order:
                 raise RewriteRejected(f"'{name}' would be used before it is produced")
         elif in_main_graph and name not in graph.initializers and name not in graph.input_set:
             raise RewriteRejected(f"'{name}' is not defined in the graph")
+
+
+def _check_new_node(model: Model, graph: Graph, node_id: int) -> None:
+    """Local checks of a node a rewrite added: its inputs exist and come before it, and
+    standard-domain nodes pass ONNX per-node inference agreeing with known types."""
+    _check_inputs(model, graph, graph.node_inputs[node_id], graph.order[node_id], -1)
     if graph.op_keys[node_id][0] == STANDARD_DOMAIN:
         _infer(graph, graph.nodes[node_id], model.opset(STANDARD_DOMAIN) or 1)
 
@@ -548,13 +565,14 @@ def _output_key(expr) -> tuple[int, int] | None:
 
 
 _TEMPLATES: dict = {}
+_LIST_KEY = object()  # marks keys made by _list_template_key
 
 
 def _node_template(op_type: str, domain: str, attrs: dict) -> onnx.NodeProto:
     """A node with these attributes and no name or edges; rules create the same kinds of
     node over and over, and copying a template is several times cheaper than building."""
     try:  # types in the key: 1, 1.0 and True are equal but make different attributes
-        key = (op_type, domain, tuple(attrs.items()), tuple(map(type, attrs.values())))
+        key = (op_type, domain, *attrs.items(), *map(type, attrs.values()))
         template = _TEMPLATES.get(key)
     except TypeError:  # a list (ints, floats, strings) or an unhashable value
         key, template = _list_template_key(op_type, domain, attrs), None
@@ -572,7 +590,7 @@ def _list_template_key(op_type: str, domain: str, attrs: dict):
     """A key for attributes with list values (as tuples), or None if still unhashable
     (tensors, graphs: no caching). Shaped unlike the plain key, so the two never meet."""
     key = (op_type, domain, tuple((k, tuple(v) if isinstance(v, list) else v, type(v))
-                                  for k, v in attrs.items()))
+                                  for k, v in attrs.items()), _LIST_KEY)
     try:
         hash(key)
     except TypeError:

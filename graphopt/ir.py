@@ -481,7 +481,7 @@ class Graph:
         any more, and so on upstream; returns the tensors whose producers went away."""
         consumers, protected, producers = self.consumers, self.protected, self.producer
         dead_tensors = []
-        stack = list(dict.fromkeys(candidates))
+        stack = list(candidates)  # a repeated name is harmless: found gone the second time
         while stack:
             name = stack.pop()
             if not name or name in protected or consumers.get(name):

@@ -641,7 +641,8 @@ class NodeView:
         self.proto = graph.nodes[node_id]
 
     name = property(lambda self: self.proto.name)
-    op_type = property(lambda self: self.proto.op_type)
+    # from the index: reading the proto makes a Python string every time
+    op_type = property(lambda self: self.graph.op_keys[self.id][1])
     inputs = property(lambda self: [TensorView(self.graph, n) for n in self.proto.input])
     outputs = property(lambda self: [TensorView(self.graph, n) for n in self.proto.output])
 

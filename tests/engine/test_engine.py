@@ -176,6 +176,22 @@ def test_rewrite_using_an_undefined_tensor_is_rolled_back():
     assert "not defined" in report.rules["dangling"].rollback_reasons[0]
 
 
+@pytest.mark.parametrize("reads", ["y", "later"])
+def test_rewrite_reading_its_own_output_or_a_later_tensor_is_rejected_unchanged(reads):
+    bad = rule("cycle", op.Relu(a), lambda m: op.Sigmoid(reads))
+    text = """
+    <ir_version: 8, opset_import: ["": 17]>
+    g (float[2] x) => (float[2] y, float[2] later) {
+        y = Relu (x)
+        later = Identity (x)
+    }"""
+    model = model_from_text(text)
+    out, report = graphopt.optimize(model, rules=[bad])
+    assert out.graph.node == model.graph.node
+    assert "used before it is produced" in report.rules["cycle"].rollback_reasons[0]
+    assert report.warnings == []  # caught by the rewrite's own check, not the final one
+
+
 def test_new_domain_gets_an_opset_import():
     r = rule("to_ms", op.MatMul(a, b), lambda m: op.ms.FusedMatMul(m.a, m.b, alpha=1.0))
     out, _ = graphopt.optimize(model_from_text(CHAIN), rules=[r])
