@@ -420,3 +420,10 @@ def test_python_dash_m_graphopt_is_the_command(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "graphopt", "--version"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "graphopt, version" in proc.stdout
+
+
+def test_importing_the_package_is_cheap_so_the_console_script_can_guard_the_rest(tmp_path):
+    code = "import sys, graphopt, graphopt.console; print(sorted({'onnx', 'numpy'} & set(sys.modules)))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.stdout.strip() == "[]", proc.stderr
