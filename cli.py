@@ -98,7 +98,8 @@ def list_rules():
     header = ("name", "level", "kind", "providers", "description")
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(4)]
     for row in [header, *rows]:
-        click.echo("  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4])
+        click.echo("  ".join(c.ljust(w) for c, w in zip(row[:4], widths, strict=True))
+                   + "  " + row[4])
 
 
 class _OneLineUsageErrors(click.Command):

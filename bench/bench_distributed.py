@@ -24,7 +24,6 @@ import tempfile
 import time
 
 import numpy as np
-
 from _common import machine, write_section
 
 SECTION = "Data-parallel training (issue 8)"

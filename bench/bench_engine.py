@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 import onnx
+from _common import interleaved_medians, machine, write_section
 from onnx import TensorProto, helper, numpy_helper
 
 import graphopt
@@ -32,8 +33,6 @@ from graphopt import modelio
 from graphopt.api import select_rules
 from graphopt.engine import Engine, validate
 from graphopt.report import Report
-
-from _common import interleaved_medians, machine, write_section
 
 RULE = "matmul_transpose_to_fused_matmul"
 WIDTH = 8

@@ -9,17 +9,15 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
-import time
 
 import numpy as np
 import onnx
 import onnxruntime as ort
+from _common import interleaved_medians, write_section
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from graphopt.executor import Session
-
-from _common import interleaved_medians, write_section
 
 BATCH, SEQ, HIDDEN, HEADS = 8, 256, 1024, 16
 HEAD_DIM = HIDDEN // HEADS
@@ -28,7 +26,8 @@ SECTION = "Executor CPU (issue 4)"
 
 def build_mqa_block() -> onnx.ModelProto:
     rng = np.random.default_rng(0)
-    qkv_w = (rng.standard_normal((HIDDEN, HIDDEN + 2 * HEAD_DIM)) / np.sqrt(HIDDEN)).astype(np.float32)
+    qkv_w = (rng.standard_normal((HIDDEN, HIDDEN + 2 * HEAD_DIM))
+             / np.sqrt(HIDDEN)).astype(np.float32)
     out_w = (rng.standard_normal((HIDDEN, HIDDEN)) / np.sqrt(HIDDEN)).astype(np.float32)
     i64 = lambda name, v: numpy_helper.from_array(np.array(v, dtype=np.int64), name)  # noqa: E731
     inits = [
@@ -79,7 +78,8 @@ def main(argv=None) -> int:
     feeds = {"x": x}
 
     ours = Session(model, device="cpu")
-    ort_session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    ort_session = ort.InferenceSession(model.SerializeToString(),
+                                       providers=["CPUExecutionProvider"])
     reference = ReferenceEvaluator(model)
 
     y_ours = ours.run(feeds)["y"]
@@ -93,7 +93,8 @@ def main(argv=None) -> int:
     }, args.runs)
     t_ours, t_ort, t_ref = medians["ours"], medians["ort"], medians["ref"]
 
-    command = "python bench/bench_executor_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python bench/bench_executor_cpu.py " + " ".join(
+        argv if argv is not None else sys.argv[1:])
     rows = [
         ("graphopt executor (numpy)", t_ours),
         ("onnxruntime CPU (default options)", t_ort),
@@ -101,7 +102,8 @@ def main(argv=None) -> int:
     ]
     table = [
         f"Falcon-style MQA attention block, float32, batch {BATCH}, seq {SEQ}, hidden {HIDDEN}, "
-        f"{HEADS} heads (+1 shared K/V head); median of {args.runs} interleaved runs after warm-up.",
+        f"{HEADS} heads (+1 shared K/V head); median of {args.runs} interleaved runs "
+        "after warm-up.",
         "",
         "| Runtime | median ms | vs onnxruntime |",
         "|---|---|---|",

@@ -21,7 +21,6 @@ import sys
 import time
 
 import numpy as np
-
 from _common import RESULTS, write_section
 
 SECTION = "FP16 GEMM on GPU (issue 5)"
@@ -76,16 +75,16 @@ def run_gpu(sizes, repeats):
         a = rng.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
         b = rng.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
         variants = {
-            "cupy.matmul fp16": lambda: cp.matmul(a, b),
-            "alternate (trunc)": lambda: kernels.alternate(a, b, "truncate"),
-            "alternate (RNZ)": lambda: kernels.alternate(a, b, "rnz"),
-            "emulated original (MI200 flush)": lambda: kernels.original_mi200(a, b),
+            "cupy.matmul fp16": lambda a=a, b=b: cp.matmul(a, b),
+            "alternate (trunc)": lambda a=a, b=b: kernels.alternate(a, b, "truncate"),
+            "alternate (RNZ)": lambda a=a, b=b: kernels.alternate(a, b, "rnz"),
+            "emulated original (MI200 flush)": lambda a=a, b=b: kernels.original_mi200(a, b),
         }
         times = {label: _time_gpu(cp, fn, repeats) for label, fn in variants.items()}
         base = times["cupy.matmul fp16"]
         for label, seconds in times.items():
             rows.append((n, label, tflops(n, seconds), base / seconds))
-        del a, b
+        del a, b, variants  # the lambdas hold a and b too
         cp.get_default_memory_pool().free_all_blocks()
     header = f"device: {name}, CuPy {cp.__version__}, {'ROCm' if kernels.is_hip else 'CUDA'}"
     fp16_out = {True: "direct FP16 output", False: "float32 output + cast (FP16 output refused)",
@@ -131,16 +130,16 @@ def run_cpu(sizes, repeats):
         b = rng.standard_normal((n, n)).astype(np.float16)
         a32, b32 = a.astype(np.float32), b.astype(np.float32)
         variants = {
-            "native original (f32 sgemm + casts)": lambda: cpu_gemm.original_native(a, b),
-            "float32 sgemm only (floor)": lambda: np.matmul(a32, b32),
-            "alternate (trunc)": lambda: cpu_gemm.alternate(a, b, "truncate"),
-            "alternate (RNZ)": lambda: cpu_gemm.alternate(a, b, "rnz"),
-            "emulated original (MI200 flush)": lambda: cpu_gemm.original_mi200(a, b),
+            "native original (f32 sgemm + casts)": lambda a=a, b=b: cpu_gemm.original_native(a, b),
+            "float32 sgemm only (floor)": lambda a32=a32, b32=b32: np.matmul(a32, b32),
+            "alternate (trunc)": lambda a=a, b=b: cpu_gemm.alternate(a, b, "truncate"),
+            "alternate (RNZ)": lambda a=a, b=b: cpu_gemm.alternate(a, b, "rnz"),
+            "emulated original (MI200 flush)": lambda a=a, b=b: cpu_gemm.original_mi200(a, b),
         }
         times = _best_times_cpu(variants, repeats)
         if n == min(sizes):  # ~0.5 s at 512 and cubic: once, for scale only
             times["numpy float16 matmul (no BLAS)"] = _best_times_cpu(
-                {"fp16": lambda: np.matmul(a, b)}, 1)["fp16"]
+                {"fp16": lambda a=a, b=b: np.matmul(a, b)}, 1)["fp16"]
         base = times["native original (f32 sgemm + casts)"]
         for label, seconds in times.items():
             rows.append((n, label, seconds * 1e3, tflops(n, seconds) * 1e3, seconds / base))

@@ -17,12 +17,11 @@ import os
 import sys
 
 import numpy as np
+from _common import interleaved_medians, machine, write_section
 
 from graphopt.examples.mqa import MqaConfig, build_mqa_model
 from graphopt.executor import Session
 from graphopt.executor.train import build
-
-from _common import interleaved_medians, machine, write_section
 
 SECTION = "Training step: Split fusion (issue 6)"
 CONFIGS = [  # (label, model config, batch)

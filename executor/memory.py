@@ -232,7 +232,7 @@ class MemoryGuard:
             symbols: dict[str, int] = {}
             for name, shape in shapes.items():
                 _, dims = self.types.get(name, (None, []))
-                for d, actual in zip(dims, shape):
+                for d, actual in zip(dims, shape, strict=False):
                     if isinstance(d, str):
                         symbols.setdefault(d, actual)
             sizes = self._sizes(symbols)

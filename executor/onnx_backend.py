@@ -35,7 +35,7 @@ class ExecutorRep(BackendRep):
         else:
             if not isinstance(inputs, (list, tuple)):
                 inputs = [inputs]
-            feeds = dict(zip(self.session.input_names, map(_as_array, inputs)))
+            feeds = dict(zip(self.session.input_names, map(_as_array, inputs), strict=False))
         results = self.session.run(feeds)
         return tuple(results[name] for name in self.session.output_names)
 
@@ -97,7 +97,8 @@ def per_op_report(pattern: str | None = None, show_failures: bool = False) -> st
         if not op_types or not op_types <= claimed:
             continue
         passed, reason = run_case(case)
-        op = case.model.graph.node[0].op_type if len(case.model.graph.node) == 1 else "+".join(sorted(op_types))
+        op = (case.model.graph.node[0].op_type if len(case.model.graph.node) == 1
+              else "+".join(sorted(op_types)))
         rows[op][0 if passed else 1] += 1
         if not passed:
             failures.append(f"{case.name}: {reason}")

@@ -35,7 +35,8 @@ def value_type(value_info: onnx.ValueInfoProto) -> tuple[np.dtype | None, list |
     if not value_info.type.HasField("tensor_type"):
         return None, None
     tensor_type = value_info.type.tensor_type
-    dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type) if tensor_type.elem_type else None
+    dtype = (onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
+             if tensor_type.elem_type else None)
     if not tensor_type.HasField("shape"):
         return dtype, None
     dims = []
@@ -71,7 +72,8 @@ class Session:
     denormal flushing emulated bit-exactly), ``None`` (plain products, no FP16 policy), or a
     ready object with ``.matmul(a, b, op=...)``, ``.backward_pass()`` and ``.current_node``.
     ``fp16_policy`` overrides the environment variables (an ``Fp16Policy``);
-    ``denormal_stats`` counts FP16 denormals per node (``session.numerics.denormal_report()``). ``training`` is the Dropout mode for Dropout nodes that do not carry a
+    ``denormal_stats`` counts FP16 denormals per node (``session.numerics.denormal_report()``).
+    ``training`` is the Dropout mode for Dropout nodes that do not carry a
     ``training_mode`` input; ``seed`` seeds Dropout masks.
 
     Unsupported op types are reported here, all at once, before anything runs.
@@ -167,9 +169,11 @@ class Session:
         if unknown:
             raise FeedError(
                 f"unknown feed name(s) {unknown}; the model's inputs are {self.input_names}"
-                + (f" and YieldOp gradients {self.yield_output_names}" if self.yield_output_names else "")
+                + (f" and YieldOp gradients {self.yield_output_names}"
+                   if self.yield_output_names else "")
             )
-        needed_inputs = [n for n in self._input_types if plan.last_use.get(n, -1) >= 0 or n in plan.fetches]
+        needed_inputs = [n for n in self._input_types
+                         if plan.last_use.get(n, -1) >= 0 or n in plan.fetches]
         missing = [n for n in needed_inputs if n not in feeds]
         if missing:
             raise FeedError(f"missing feed(s) for graph input(s) {missing}")
@@ -177,8 +181,10 @@ class Session:
         checked: dict[str, Any] = {}
         symbols: dict[str, tuple[int, str]] = {}
         for name, value in feeds.items():
-            array = value if hasattr(value, "dtype") and hasattr(value, "shape") else np.asarray(value)
-            expected_dtype, dims = self._input_types.get(name) or self._known_types.get(name) or (None, None)
+            array = (value if hasattr(value, "dtype") and hasattr(value, "shape")
+                     else np.asarray(value))
+            expected_dtype, dims = (self._input_types.get(name) or self._known_types.get(name)
+                                    or (None, None))
             if name in self._overridable:
                 reference = self._initializers[name]
                 expected_dtype, dims = reference.dtype, list(reference.shape)
@@ -192,7 +198,7 @@ class Session:
                         f"feed {name!r} has shape {tuple(array.shape)} (rank {array.ndim}), "
                         f"the graph declares rank {len(dims)} {dims}"
                     )
-                for axis, (size, dim) in enumerate(zip(array.shape, dims)):
+                for axis, (size, dim) in enumerate(zip(array.shape, dims, strict=True)):
                     if isinstance(dim, int) and size != dim:
                         raise FeedError(
                             f"feed {name!r} has shape {tuple(array.shape)}, the graph declares "
@@ -280,12 +286,13 @@ class Session:
     @staticmethod
     def _store(step, result, values) -> None:
         if isinstance(result, (tuple, list)):
-            if len(result) < len(step.out_slots) and any(s >= 0 for s in step.out_slots[len(result):]):
+            if (len(result) < len(step.out_slots)
+                    and any(s >= 0 for s in step.out_slots[len(result):])):
                 raise KernelError(
                     f"node {step.node.label()} produced {len(result)} outputs, "
                     f"the graph uses {len(step.out_slots)}"
                 )
-            for slot, value in zip(step.out_slots, result):
+            for slot, value in zip(step.out_slots, result, strict=False):
                 if slot >= 0:
                     values[slot] = value
         else:

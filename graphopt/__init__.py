@@ -11,12 +11,25 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__ loads them
-    from .api import optimize, optimize_file, select_rules
-    from .dsl import (Pass, Rule, attr, check, const, constant, fan_out, is_float, one_of, op,
-                      scalar_const, single_consumer, var)
-    from .errors import GraphoptError
-    from .modelio import load, save
-    from .registry import all_rules, register
+    from .api import optimize, optimize_file, select_rules  # noqa: F401
+    from .dsl import (  # noqa: F401
+        Pass,
+        Rule,
+        attr,
+        check,
+        const,
+        constant,
+        fan_out,
+        is_float,
+        one_of,
+        op,
+        scalar_const,
+        single_consumer,
+        var,
+    )
+    from .errors import GraphoptError  # noqa: F401
+    from .modelio import load, save  # noqa: F401
+    from .registry import all_rules, register  # noqa: F401
 
 _EXPORTS = {
     "optimize": "api", "optimize_file": "api", "select_rules": "api",

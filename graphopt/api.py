@@ -78,7 +78,8 @@ def optimize_loaded(model: Model, rules: list, *, explain: Iterable[str] = ()):
         except INVALID as exc:
             reason = _why_invalid(original, model.path)
             if reason is not None:  # the input was already broken, not made so by a rule
-                raise GraphoptError(f"{model.path or 'model'}: invalid ONNX model: {reason}")
+                raise GraphoptError(f"{model.path or 'model'}: invalid ONNX model: {reason}") \
+                    from None
             model, report = _replay_carefully(original, model.path, rules, explain, exc)
         report.validation_seconds = time.perf_counter() - check_start
         report.validated = True

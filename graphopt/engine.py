@@ -109,7 +109,8 @@ class Engine:
                 # the tensor the node reads)
                 fast = compiled.fast_by_key.get(key) if compiled.anchors_at_node else None
                 by_anchor.setdefault(key, []).append((rule, compiled, stats, explained, fast))
-        candidates = sorted({node_id for key in by_anchor for node_id in graph.by_type.get(key, ())},
+        candidates = sorted({node_id for key in by_anchor
+                             for node_id in graph.by_type.get(key, ())},
                             key=graph.order.__getitem__)
         queue = deque(candidates)
         queued = set(candidates)
@@ -462,7 +463,7 @@ class Rewriter:
             raise RewriteRejected("a fan-out rule must return {old tensor: new value}")
         outputs = self.graph.node_outputs[roots[0]]
         values = result if isinstance(result, (tuple, list)) else (result,)
-        return {out: v for out, v in zip(outputs, values) if v is not None and out}
+        return {out: v for out, v in zip(outputs, values, strict=False) if v is not None and out}
 
     def _value(self, expr) -> str:
         """The tensor name an expression evaluates to, creating nodes as needed."""
@@ -607,7 +608,7 @@ def _compatible(old: onnx.TypeProto, new: onnx.TypeProto) -> bool:
     if a.HasField("shape") and b.HasField("shape"):
         if len(a.shape.dim) != len(b.shape.dim):
             return False
-        for x, y in zip(a.shape.dim, b.shape.dim):
+        for x, y in zip(a.shape.dim, b.shape.dim, strict=True):
             if x.HasField("dim_value") and y.HasField("dim_value") and x.dim_value != y.dim_value:
                 return False
     return True

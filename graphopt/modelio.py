@@ -15,7 +15,8 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from .errors import GraphoptError
-from .ir import Model, external_tensors as _external_tensors
+from .ir import Model
+from .ir import external_tensors as _external_tensors
 
 EXTERNAL_COPY_CHUNK = 64 << 20
 DIGEST_CHARS = 12
@@ -36,7 +37,8 @@ def load(source, *, check: bool = True) -> Model:
         try:
             onnx.checker.check_model(path if _uses_external_data(proto) and path else proto)
         except onnx.checker.ValidationError as exc:
-            raise GraphoptError(f"{path or 'model'}: invalid ONNX model: {_first_line(exc)}")
+            raise GraphoptError(f"{path or 'model'}: invalid ONNX model: {_first_line(exc)}") \
+                from None
     return Model(proto, path)
 
 

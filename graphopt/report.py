@@ -54,7 +54,7 @@ class Report:
                  f"{s.seconds * 1e3:.1f}") for s in self.rules.values()]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                           for i, (c, w) in enumerate(zip(row, widths)))
+                           for i, (c, w) in enumerate(zip(row, widths, strict=True)))
                  for row in [header, *rows]]
         lines.insert(1, "  ".join("-" * w for w in widths))
         lines.append("")

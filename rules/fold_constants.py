@@ -57,7 +57,7 @@ def fold(graph, report) -> int:
             continue
         outputs = [o for o in node.output if o]
         graph.remove_node(node_id)
-        for name, value in zip(outputs, values):
+        for name, value in zip(outputs, values, strict=True):
             graph.add_initializer(numpy_helper.from_array(np.asarray(value), name))
         graph.remove_dead(node.input)
         folded += 1

@@ -123,7 +123,7 @@ def to_split(m):
     sizes = np.array([end - start for start, end, _, _ in pieces], dtype=np.int64)
     outputs = op.Split(m.x, constant(sizes, "split_sizes"), axis=axis, _outputs=len(pieces))
     result = {}
-    for piece_output, (_, _, squeeze, node) in zip(outputs, pieces):
+    for piece_output, (_, _, squeeze, node) in zip(outputs, pieces, strict=True):
         if squeeze:
             piece_output = op.Squeeze(piece_output,
                                       constant(np.array([axis], np.int64), "squeeze_axes"))

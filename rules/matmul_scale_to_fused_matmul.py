@@ -67,7 +67,8 @@ def fold_scale(m):
 
 RULE = Rule(
     name="matmul_scale_to_fused_matmul",
-    description="MatMul scaled by a scalar constant (Mul/Div, input or output) -> FusedMatMul(alpha)",
+    description="MatMul scaled by a scalar constant (Mul/Div, input or output) -> "
+                "FusedMatMul(alpha)",
     level=2,
     tags=("fusion", "com.microsoft"),
     match=one_of(*_alternatives()),

@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 
 def random_graphs(count: int, seed: int | None):
-    from hypothesis import HealthCheck, Phase, given, seed as hseed, settings
-
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hseed
     from robustness.graphs import graphs
     from robustness.oracle import KnownBugHit, check_optimize
 

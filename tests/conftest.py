@@ -57,7 +57,7 @@ def random_feeds(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]
 def assert_same_outputs(before: onnx.ModelProto, after: onnx.ModelProto, feeds=None,
                         rtol=1e-5, atol=1e-6) -> None:
     feeds = feeds if feeds is not None else random_feeds(before)
-    for expected, actual in zip(run_ort(before, feeds), run_ort(after, feeds)):
+    for expected, actual in zip(run_ort(before, feeds), run_ort(after, feeds), strict=True):
         np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol)
 
 

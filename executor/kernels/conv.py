@@ -32,7 +32,7 @@ def window_geometry(attrs, spatial, kernel_shape, ceil_mode=False) -> Window:
     dilations = tuple(attrs.get("dilations") or [1] * nd)
     pads = list(attrs.get("pads") or [0] * (2 * nd))
     auto_pad = attrs.get("auto_pad", "NOTSET")
-    extent = [(k - 1) * d + 1 for k, d in zip(kernel_shape, dilations)]
+    extent = [(k - 1) * d + 1 for k, d in zip(kernel_shape, dilations, strict=True)]
     if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
         for i in range(nd):
             out = -(-spatial[i] // strides[i])
@@ -50,7 +50,8 @@ def window_geometry(attrs, spatial, kernel_shape, ceil_mode=False) -> Window:
             n -= 1  # a window must start inside the input or its left padding
         out.append(n)
     pad_end = tuple(
-        max(end[i], (out[i] - 1) * strides[i] + extent[i] - spatial[i] - begin[i]) for i in range(nd)
+        max(end[i], (out[i] - 1) * strides[i] + extent[i] - spatial[i] - begin[i])
+        for i in range(nd)
     )
     return Window(tuple(kernel_shape), strides, dilations, tuple(begin), pad_end, tuple(out))
 
@@ -58,7 +59,7 @@ def window_geometry(attrs, spatial, kernel_shape, ceil_mode=False) -> Window:
 def _pad(xp, x, w: Window, value=0.0):
     if not any(w.pad_begin) and not any(w.pad_end):
         return x
-    widths = [(0, 0), (0, 0)] + list(zip(w.pad_begin, w.pad_end))
+    widths = [(0, 0), (0, 0)] + list(zip(w.pad_begin, w.pad_end, strict=True))
     return xp.pad(x, widths, mode="constant", constant_values=value)
 
 
@@ -69,7 +70,7 @@ def _offsets(w: Window):
 def _window_slices(w: Window, offset):
     return tuple(
         slice(o * d, o * d + (n - 1) * s + 1, s)
-        for o, d, n, s in zip(offset, w.dilations, w.out, w.strides)
+        for o, d, n, s in zip(offset, w.dilations, w.out, w.strides, strict=True)
     )
 
 
@@ -86,11 +87,11 @@ def im2col(xp, x, w: Window, pad_value=0.0):
 def col2im(xp, cols, w: Window, spatial):
     """Inverse scatter-add of im2col: (N, C, K, *out) -> (N, C, *spatial)."""
     n, c = cols.shape[:2]
-    padded_shape = tuple(s + b + e for s, b, e in zip(spatial, w.pad_begin, w.pad_end))
+    padded_shape = tuple(s + b + e for s, b, e in zip(spatial, w.pad_begin, w.pad_end, strict=True))
     padded = xp.zeros((n, c) + padded_shape, dtype=cols.dtype)
     for k, offset in enumerate(_offsets(w)):
         padded[(slice(None), slice(None)) + _window_slices(w, offset)] += cols[:, :, k]
-    crop = tuple(slice(b, b + s) for b, s in zip(w.pad_begin, spatial))
+    crop = tuple(slice(b, b + s) for b, s in zip(w.pad_begin, spatial, strict=True))
     return padded[(slice(None), slice(None)) + crop]
 
 
@@ -127,11 +128,13 @@ def conv_transpose(ctx, node, x, weight, bias=None):
     out_pad = attrs.get("output_padding") or [0] * nd
     in_spatial = x.shape[2:]
     full = [s * (i - 1) + op + (k - 1) * d + 1
-            for s, i, op, k, d in zip(strides, in_spatial, out_pad, kernel_shape, dilations)]
+            for s, i, op, k, d in zip(strides, in_spatial, out_pad, kernel_shape, dilations,
+                                      strict=True)]
     pads = list(attrs.get("pads") or [0] * (2 * nd))
     auto_pad = attrs.get("auto_pad", "NOTSET")
     if attrs.get("output_shape") or auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-        target = attrs.get("output_shape") or [i * s for i, s in zip(in_spatial, strides)]
+        target = (attrs.get("output_shape")
+                  or [i * s for i, s in zip(in_spatial, strides, strict=True)])
         target = list(target)[-nd:]
         for i in range(nd):
             total = full[i] - target[i]
@@ -146,8 +149,9 @@ def conv_transpose(ctx, node, x, weight, bias=None):
     cols = gemm.matmul(ctx, wmat, xg, op="conv_bwd_data")  # (N, G, M/G*K, P_in)
     w = Window(tuple(kernel_shape), tuple(strides), tuple(dilations), (0,) * nd,
                tuple(op for op in out_pad), tuple(in_spatial))
-    cols = cols.reshape((x.shape[0], group * m_per_group, int(np.prod(kernel_shape))) + tuple(in_spatial))
-    y = col2im(xp, cols, w, tuple(f - op for f, op in zip(full, out_pad)))
+    cols = cols.reshape((x.shape[0], group * m_per_group, int(np.prod(kernel_shape)))
+                        + tuple(in_spatial))
+    y = col2im(xp, cols, w, tuple(f - op for f, op in zip(full, out_pad, strict=True)))
     if any(out_pad):
         y = xp.pad(y, [(0, 0), (0, 0)] + [(0, op) for op in out_pad])
     short = [max(pads[i] + out_spatial[i] - y.shape[2 + i], 0) for i in range(nd)]

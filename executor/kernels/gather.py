@@ -31,7 +31,8 @@ def gather_nd(ctx, node, data, indices):
     xp = ctx.xp
     b = node.attrs.get("batch_dims", 0)
     k = indices.shape[-1]
-    indices = xp.where(indices < 0, indices + xp.asarray(data.shape[b:b + k], dtype=indices.dtype), indices)
+    indices = xp.where(indices < 0,
+                       indices + xp.asarray(data.shape[b:b + k], dtype=indices.dtype), indices)
     batch_shape = data.shape[:b]
     n_batch = int(np.prod(batch_shape, dtype=np.int64))
     flat_data = data.reshape((n_batch,) + data.shape[b:])
@@ -87,7 +88,8 @@ def one_hot(ctx, node, indices, depth, values):
     axis = norm_axis(axis, rank)
     idx = indices.astype(np.int64)
     idx = xp.where(idx < 0, idx + depth, idx)
-    hot = xp.expand_dims(idx, axis) == xp.arange(depth).reshape([-1 if i == axis else 1 for i in range(rank)])
+    hot = xp.expand_dims(idx, axis) == xp.arange(depth).reshape(
+        [-1 if i == axis else 1 for i in range(rank)])
     return xp.where(hot, values[1], values[0]).astype(values.dtype)
 
 

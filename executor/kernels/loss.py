@@ -48,9 +48,11 @@ def softmax_cross_entropy_loss(ctx, node, scores, labels, weights=None):
 
 @kernel("SoftmaxCrossEntropyLossInternal", domain=MS_DOMAIN)
 def softmax_cross_entropy_loss_internal(ctx, node, scores, labels, weights=None, ignore_index=None):
-    ignore = node.attrs.get("ignore_index") if ignore_index is None else ctx.host_scalar(ignore_index)
+    ignore = (node.attrs.get("ignore_index") if ignore_index is None
+              else ctx.host_scalar(ignore_index))
     log_prob = log_softmax_over(ctx.xp, scores, (1,))
-    return _nll(ctx.xp, log_prob, labels, weights, ignore, node.attrs.get("reduction", "mean")), log_prob
+    return (_nll(ctx.xp, log_prob, labels, weights, ignore, node.attrs.get("reduction", "mean")),
+            log_prob)
 
 
 def softmax_cross_entropy_grad(xp, dy, log_prob, labels, weights, ignore_index, reduction):
@@ -71,7 +73,9 @@ def softmax_cross_entropy_grad(xp, dy, log_prob, labels, weights, ignore_index, 
 
 @kernel("SoftmaxCrossEntropyLossGrad", domain=MS_DOMAIN)
 @kernel("SoftmaxCrossEntropyLossInternalGrad", domain=MS_DOMAIN)
-def softmax_cross_entropy_loss_grad(ctx, node, dy, log_prob, labels, weights=None, ignore_index=None):
-    ignore = node.attrs.get("ignore_index") if ignore_index is None else ctx.host_scalar(ignore_index)
+def softmax_cross_entropy_loss_grad(ctx, node, dy, log_prob, labels, weights=None,
+                                    ignore_index=None):
+    ignore = (node.attrs.get("ignore_index") if ignore_index is None
+              else ctx.host_scalar(ignore_index))
     return softmax_cross_entropy_grad(ctx.xp, dy, log_prob, labels, weights, ignore,
                                       node.attrs.get("reduction", "mean"))

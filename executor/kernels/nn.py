@@ -47,7 +47,8 @@ def single_axis(node, x):
     return (norm_axis(node.attrs.get("axis", -1), x.ndim),)
 
 
-for _op, _fn in (("Softmax", softmax_over), ("LogSoftmax", log_softmax_over), ("Hardmax", _hardmax_over)):
+for _op, _fn in (("Softmax", softmax_over), ("LogSoftmax", log_softmax_over),
+                 ("Hardmax", _hardmax_over)):
     kernel(_op, until=12)(lambda ctx, node, x, _fn=_fn: _fn(ctx.xp, x, coerced_axes(node, x, 1)))
     kernel(_op, since=13)(lambda ctx, node, x, _fn=_fn: _fn(ctx.xp, x, single_axis(node, x)))
 

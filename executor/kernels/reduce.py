@@ -91,7 +91,8 @@ def _attr_kernel(fn):
 
 def _input_kernel(fn):
     def run(ctx, node, x, axes=None):
-        return _empty_reduce(ctx.xp, fn, x, _axes(ctx, node, x, axes), node.attrs.get("keepdims", 1))
+        return _empty_reduce(ctx.xp, fn, x, _axes(ctx, node, x, axes),
+                             node.attrs.get("keepdims", 1))
 
     return run
 

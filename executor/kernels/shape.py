@@ -150,7 +150,7 @@ def slice_index(shape, starts, ends, axes, steps):
     axes = list(range(len(starts))) if axes is None else [norm_axis(a, rank) for a in axes]
     steps = [1] * len(starts) if steps is None else steps
     index = [slice(None)] * rank
-    for start, end, axis, step in zip(starts, ends, axes, steps):
+    for start, end, axis, step in zip(starts, ends, axes, steps, strict=True):
         dim = shape[axis]
         if step == 0:
             raise ValueError("Slice step cannot be 0")
@@ -194,9 +194,10 @@ def tile(ctx, node, x, repeats):
 
 @kernel("Range", since=11)
 def range_(ctx, node, start, limit, delta):
-    s, l, d = (ctx.host_scalar(v) for v in (start, limit, delta))
-    count = max(int(np.ceil((l - s) / d)), 0)
-    return (start.reshape(()) + ctx.xp.arange(count, dtype=start.dtype) * delta.reshape(())).astype(start.dtype)
+    s, lim, d = (ctx.host_scalar(v) for v in (start, limit, delta))
+    count = max(int(np.ceil((lim - s) / d)), 0)
+    return (start.reshape(())
+            + ctx.xp.arange(count, dtype=start.dtype) * delta.reshape(())).astype(start.dtype)
 
 
 @kernel("ConstantOfShape", since=9)
@@ -225,11 +226,13 @@ def pad(ctx, node, x, pads, constant_value=None, axes=None):
     mode = node.attrs.get("mode", "constant")
     xp = ctx.xp
     # negative pads crop
-    crop = tuple(slice(-b if b < 0 else 0, x.shape[i] + a if a < 0 else None) for i, (b, a) in enumerate(widths))
+    crop = tuple(slice(-b if b < 0 else 0, x.shape[i] + a if a < 0 else None)
+                 for i, (b, a) in enumerate(widths))
     x = x[crop]
     widths = [(max(b, 0), max(a, 0)) for b, a in widths]
     if mode == "constant":
-        value = 0 if constant_value is None or constant_value.size == 0 else ctx.host_scalar(constant_value)
+        value = (0 if constant_value is None or constant_value.size == 0
+                 else ctx.host_scalar(constant_value))
         return xp.pad(x, widths, mode="constant", constant_values=value)
     return xp.pad(x, widths, mode={"reflect": "reflect", "edge": "edge", "wrap": "wrap"}[mode])
 

@@ -22,7 +22,7 @@ def yield_op(ctx, node, *module_outputs):
     skipped = set(node.attrs.get("non_differentiable_outputs", []))
     differentiable = [x for i, x in enumerate(module_outputs) if i not in skipped]
     grads = []
-    for name, forward in zip(node.outputs, differentiable):
+    for name, forward in zip(node.outputs, differentiable, strict=False):
         fed = ctx.yield_feeds.get(name)
         if fed is None:
             grads.append(ctx.xp.ones(forward.shape, dtype=forward.dtype))
@@ -127,7 +127,7 @@ def broadcast_gradient_args(ctx, node, a_shape, b_shape):
     rank = max(len(a), len(b))
     a_full, b_full = [1] * (rank - len(a)) + a, [1] * (rank - len(b)) + b
     a_axes, b_axes = [], []
-    for i, (da, db) in enumerate(zip(a_full, b_full)):
+    for i, (da, db) in enumerate(zip(a_full, b_full, strict=True)):
         out = max(da, db)
         if i < rank - len(a) or (da == 1 and out != 1):
             a_axes.append(i)

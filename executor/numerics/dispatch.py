@@ -104,7 +104,8 @@ class Numerics:
     def denormal_report(self) -> dict:
         """JSON-able per-node counts split forward/backward (see ``stats``), plus context."""
         if self._stats is None:
-            raise RuntimeError("denormal statistics are off; construct Numerics(collect_stats=True)")
+            raise RuntimeError("denormal statistics are off; "
+                               "construct Numerics(collect_stats=True)")
         report = self._stats.report()
         report["mode"] = self.mode
         report["flush"] = (

@@ -99,7 +99,8 @@ class CupyFp16Gemm:
         return self.flush_subnormals(out), before_flush
 
     def alternate(self, a, b, rounding, count_output=False):
-        out = self.bf16_matmul(self.fp16_to_bf16_bits(a, rounding), self.fp16_to_bf16_bits(b, rounding))
+        out = self.bf16_matmul(self.fp16_to_bf16_bits(a, rounding),
+                               self.fp16_to_bf16_bits(b, rounding))
         return out, (self.count_subnormals(out) if count_output else None)
 
     # -- BF16 GEMM through cuBLAS / hipBLAS -----------------------------------------------

@@ -62,7 +62,8 @@ class Batches:
                 continue
             array = self.arrays[name]
             if dtype is not None and array.dtype != dtype:
-                same_kind = (np.issubdtype(array.dtype, np.floating) and np.issubdtype(dtype, np.floating)) \
+                same_kind = (np.issubdtype(array.dtype, np.floating)
+                             and np.issubdtype(dtype, np.floating)) \
                     or (np.issubdtype(array.dtype, np.integer) and np.issubdtype(dtype, np.integer))
                 if not same_kind:
                     raise GraphoptError(f"data array {name!r} is {array.dtype}, the graph input "

@@ -167,7 +167,8 @@ class Trainer:
         self.progress, self.log, self.echo, self.after_step = progress, log, echo, after_step
         self.warn = warn   # the one-line report of a skipped non-finite step (None: silent)
         self.compute_dtype = compute_dtype(settings.precision)
-        self.params = {n: v.astype(master_dtype(settings.precision)) for n, v in graph.initial.items()}
+        self.params = {n: v.astype(master_dtype(settings.precision))
+                       for n, v in graph.initial.items()}
         self.history: list[dict] = []
         self.step = 0
         self.fetches = list(graph.losses) + [graph.grads[p] for p in graph.params]
@@ -183,7 +184,7 @@ class Trainer:
         """(YieldOp output, shape, dtype) of each loss: fed ``scale`` when scaling."""
         declared = {o.name: o for o in self.graph.proto.graph.output}
         templates = []
-        for loss, grad in zip(self.graph.losses, self.graph.loss_grads):
+        for loss, grad in zip(self.graph.losses, self.graph.loss_grads, strict=False):
             tensor_type = declared[loss].type.tensor_type if loss in declared else None
             dims = None
             if tensor_type is not None and tensor_type.HasField("shape"):

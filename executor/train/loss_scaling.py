@@ -68,7 +68,8 @@ class DynamicLossScaler(LossScaler):
         return True
 
     def describe(self) -> str:
-        return f"dynamic (start {self.scale:g}, x2 every {self.interval} good steps, /2 on overflow)"
+        return (f"dynamic (start {self.scale:g}, x2 every {self.interval} good steps, "
+                "/2 on overflow)")
 
     def state(self) -> dict:
         return {**super().state(), "interval": self.interval, "good_steps": self.good_steps}

@@ -248,7 +248,7 @@ def test_report_file_is_json_with_per_rule_numbers(tmp_path):
     assert result.exit_code == 0
     data = json.loads(report_path.read_text())
     assert set(data["rules"]) == set(all_rules())
-    for name, stats in data["rules"].items():
+    for _name, stats in data["rules"].items():
         assert {"candidates", "rewrites", "rollbacks", "seconds"} <= set(stats)
         assert stats["seconds"] >= 0 and stats["rollbacks"] == 0
     assert data["rules"]["gather_slice_to_split"]["rewrites"] == 1
@@ -423,7 +423,8 @@ def test_python_dash_m_graphopt_is_the_command(tmp_path):
 
 
 def test_importing_the_package_is_cheap_so_the_console_script_can_guard_the_rest(tmp_path):
-    code = "import sys, graphopt, graphopt.console; print(sorted({'onnx', 'numpy'} & set(sys.modules)))"
+    code = ("import sys, graphopt, graphopt.console; "
+            "print(sorted({'onnx', 'numpy'} & set(sys.modules)))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120)
     assert proc.stdout.strip() == "[]", proc.stderr

@@ -7,8 +7,19 @@ import pytest
 from conftest import assert_same_outputs, model_from_text, op_types
 
 import graphopt
-from graphopt import (Pass, Rule, check, const, constant, fan_out, is_float, one_of, op,
-                      scalar_const, var)
+from graphopt import (
+    Pass,
+    Rule,
+    check,
+    const,
+    constant,
+    fan_out,
+    is_float,
+    one_of,
+    op,
+    scalar_const,
+    var,
+)
 from graphopt.errors import GraphoptError
 
 CHAIN = """

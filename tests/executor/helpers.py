@@ -22,7 +22,8 @@ def single_node_model(op_type, inputs: dict, n_outputs=1, domain="", opset=17, a
     node = helper.make_node(op_type, list(inputs), outs, domain=domain, name="n0", **(attrs or {}))
     graph = helper.make_graph(
         [node], "g",
-        [helper.make_tensor_value_info(k, tensor_type(v.dtype), list(v.shape)) for k, v in inputs.items()],
+        [helper.make_tensor_value_info(k, tensor_type(v.dtype), list(v.shape))
+         for k, v in inputs.items()],
         [helper.make_empty_tensor_value_info(o) for o in outs],
     )
     opsets = [helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)]

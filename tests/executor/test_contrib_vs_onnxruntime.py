@@ -16,7 +16,8 @@ from .helpers import MS, single_node_model
 def _both(op_type, inputs, attrs=None):
     model = single_node_model(op_type, inputs, domain=MS, attrs=attrs)
     ours = Session(model, device="cpu").run(inputs)["y0"]
-    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, inputs)[0]
+    ref = ort.InferenceSession(model.SerializeToString(),
+                               providers=["CPUExecutionProvider"]).run(None, inputs)[0]
     return ours, ref
 
 

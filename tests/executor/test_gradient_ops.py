@@ -100,7 +100,8 @@ def test_layer_normalization_grad(axis):
     scale, bias = _randn(*norm_shape), _randn(*norm_shape)
     attrs = {"axis": axis, "epsilon": 1e-5}
     dy = _randn(*x.shape)
-    _, mean, inv_std = run_single("LayerNormalization", {"x": x, "s": scale, "b": bias}, 3, attrs=attrs)
+    _, mean, inv_std = run_single("LayerNormalization", {"x": x, "s": scale, "b": bias}, 3,
+                                  attrs=attrs)
     dx, dscale, dbias = _grad("LayerNormalizationGrad",
                               {"dy": dy, "x": x, "s": scale, "mean": mean, "inv_std": inv_std}, 3,
                               attrs={"axis": axis})
@@ -108,9 +109,12 @@ def test_layer_normalization_grad(axis):
     def ln(x_, s_, b_):
         return run_single("LayerNormalization", {"x": x_, "s": s_, "b": b_}, 1, attrs=attrs)[0]
 
-    np.testing.assert_allclose(dx, numeric_grad(lambda v: ln(v, scale, bias), x, dy), rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(dscale, numeric_grad(lambda v: ln(x, v, bias), scale, dy), rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(dbias, numeric_grad(lambda v: ln(x, scale, v), bias, dy), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(dx, numeric_grad(lambda v: ln(v, scale, bias), x, dy),
+                               rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(dscale, numeric_grad(lambda v: ln(x, v, bias), scale, dy),
+                               rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(dbias, numeric_grad(lambda v: ln(x, scale, v), bias, dy),
+                               rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("attrs", [
@@ -125,9 +129,12 @@ def test_conv_grad(attrs):
 
     dy = _randn(*conv(x, w, b).shape)
     dx, dw, db = _grad("ConvGrad", {"dy": dy, "x": x, "w": w}, 3, attrs=attrs)
-    np.testing.assert_allclose(dx, numeric_grad(lambda v: conv(v, w, b), x, dy), rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(dw, numeric_grad(lambda v: conv(x, v, b), w, dy), rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(db, numeric_grad(lambda v: conv(x, w, v), b, dy), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(dx, numeric_grad(lambda v: conv(v, w, b), x, dy),
+                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(dw, numeric_grad(lambda v: conv(x, v, b), w, dy),
+                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(db, numeric_grad(lambda v: conv(x, w, v), b, dy),
+                               rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -139,7 +146,8 @@ def test_softmax_cross_entropy_loss_grad(reduction, weighted):
     attrs = {"reduction": reduction, "ignore_index": -100}
 
     def loss(s):
-        return run_single("SoftmaxCrossEntropyLoss", {"x": s, "labels": labels, **extra}, 2, attrs=attrs)
+        return run_single("SoftmaxCrossEntropyLoss", {"x": s, "labels": labels, **extra}, 2,
+                          attrs=attrs)
 
     value, log_prob = loss(scores)
     dy = np.array(1.7) if reduction != "none" else _randn(*labels.shape)
@@ -167,7 +175,8 @@ def test_dropout_and_its_grad_without_training_mode_follow_the_session():
     nodes = [helper.make_node("Dropout", ["x", "r"], ["y", "mask"]),
              helper.make_node("DropoutGrad", ["dy", "mask", "r"], ["dx"], domain=MS)]
     graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [64]) for n in ("x", "dy")],
+        nodes, "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [64]) for n in ("x", "dy")],
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, [64]) for n in ("y", "dx")],
         [helper.make_tensor("r", TensorProto.FLOAT, [], [0.5])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),

@@ -56,7 +56,8 @@ for _pattern in EXCLUDED:
 
 # Only the node tests: the model-zoo ("real") cases need downloads.
 globals().update(
-    {name: case for name, case in backend_test.test_cases.items() if name == "OnnxBackendNodeModelTest"}
+    {name: case for name, case in backend_test.test_cases.items()
+     if name == "OnnxBackendNodeModelTest"}
 )
 
 

@@ -74,7 +74,8 @@ def test_unsupported_ops_are_all_listed_at_plan_time_with_node_names():
     graph = helper.make_graph(
         nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
         [helper.make_tensor_value_info("c", TensorProto.FLOAT, [1])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid(MS, 1)])
     with pytest.raises(UnsupportedOpsError) as info:
         Session(model, device="cpu")
     message = str(info.value)
@@ -87,7 +88,8 @@ def test_unsupported_ops_are_all_listed_at_plan_time_with_node_names():
 def test_opset_range_matters_for_kernel_lookup():
     # Gelu exists in ai.onnx only from opset 20 on
     node = helper.make_node("Gelu", ["x"], ["y"], name="g")
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+    graph = helper.make_graph([node], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
     with pytest.raises(UnsupportedOpsError, match="opset 17"):
         Session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), device="cpu")
@@ -118,7 +120,8 @@ def test_symbolic_dims_must_bind_consistently():
         [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["n"]),
          helper.make_tensor_value_info("b", TensorProto.FLOAT, ["n"])],
         [helper.make_tensor_value_info("c", TensorProto.FLOAT, ["n"])])
-    session = Session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), device="cpu")
+    session = Session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+                      device="cpu")
     with pytest.raises(FeedError, match="'n'"):
         session.run({"a": np.zeros(3, np.float32), "b": np.zeros(4, np.float32)})
 
@@ -142,8 +145,10 @@ def test_last_use_table_and_release_of_intermediates():
 
 
 def test_cycle_is_reported():
-    nodes = [helper.make_node("Relu", ["b"], ["a"], name="r1"), helper.make_node("Relu", ["a"], ["b"], name="r2")]
-    graph = helper.make_graph(nodes, "g", [], [helper.make_tensor_value_info("b", TensorProto.FLOAT, [1])])
+    nodes = [helper.make_node("Relu", ["b"], ["a"], name="r1"),
+             helper.make_node("Relu", ["a"], ["b"], name="r2")]
+    graph = helper.make_graph(nodes, "g", [],
+                              [helper.make_tensor_value_info("b", TensorProto.FLOAT, [1])])
     with pytest.raises(InvalidModelError, match="cycle"):
         Session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), device="cpu")
 
@@ -193,7 +198,8 @@ def test_numerics_sees_every_gemm_with_node_name_and_backward_flag():
          helper.make_tensor_value_info("k", TensorProto.FLOAT, [2, 1, 3, 3])],
         [helper.make_tensor_value_info("g", TensorProto.FLOAT, None),
          helper.make_tensor_value_info("c", TensorProto.FLOAT, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid(MS, 1)])
     numerics = _RecordingNumerics()
     rng = np.random.default_rng(0)
     feeds = {"x": rng.random((2, 3), np.float32), "w": rng.random((3, 3), np.float32),

@@ -11,7 +11,7 @@ from graphopt.executor import FeedError, Session
 
 from .helpers import MS
 
-N, D, H, O = 4, 3, 5, 2
+N, D, H, OUT = 4, 3, 5, 2
 
 
 def _training_model():
@@ -27,27 +27,30 @@ def _training_model():
     backward = [
         helper.make_node("Shape", ["y"], ["y_shape"], name="shape_y", **bw),
         helper.make_node("Expand", ["loss_grad", "y_shape"], ["dy"], name="expand", **bw),
-        helper.make_node("FusedMatMul", ["h", "dy"], ["w2_grad"], name="dw2", domain=MS, transA=1, **bw),
+        helper.make_node("FusedMatMul", ["h", "dy"], ["w2_grad"], name="dw2", domain=MS, transA=1,
+                         **bw),
         helper.make_node("FusedMatMul", ["dy", "w2"], ["dh"], name="dh", domain=MS, transB=1, **bw),
         helper.make_node("ReluGrad", ["dh", "z"], ["dz"], name="drelu", domain=MS, **bw),
-        helper.make_node("FusedMatMul", ["x", "dz"], ["w1_grad"], name="dw1", domain=MS, transA=1, **bw),
+        helper.make_node("FusedMatMul", ["x", "dz"], ["w1_grad"], name="dw1", domain=MS, transA=1,
+                         **bw),
     ]
     graph = helper.make_graph(
         forward + [yield_node] + backward, "train",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [N, D]),
          helper.make_tensor_value_info("w1", TensorProto.FLOAT, [D, H]),
-         helper.make_tensor_value_info("w2", TensorProto.FLOAT, [H, O])],
+         helper.make_tensor_value_info("w2", TensorProto.FLOAT, [H, OUT])],
         [helper.make_tensor_value_info("w1_grad", TensorProto.FLOAT, [D, H]),
-         helper.make_tensor_value_info("w2_grad", TensorProto.FLOAT, [H, O])],
+         helper.make_tensor_value_info("w2_grad", TensorProto.FLOAT, [H, OUT])],
         value_info=[helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
     )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                   helper.make_opsetid(MS, 1)])
 
 
 def _analytic(x, w1, w2, dloss):
     z = x @ w1
     h = np.maximum(z, 0)
-    dy = np.full((N, O), dloss, np.float32)
+    dy = np.full((N, OUT), dloss, np.float32)
     dw2 = h.T @ dy
     dz = (dy @ w2.T) * (z > 0)
     return x.T @ dz, dw2
@@ -58,7 +61,7 @@ def feeds():
     rng = np.random.default_rng(5)
     return {"x": rng.standard_normal((N, D)).astype(np.float32),
             "w1": rng.standard_normal((D, H)).astype(np.float32),
-            "w2": rng.standard_normal((H, O)).astype(np.float32)}
+            "w2": rng.standard_normal((H, OUT)).astype(np.float32)}
 
 
 def test_model_is_valid_onnx():
@@ -74,7 +77,8 @@ def test_training_step_default_loss_gradient_is_one(feeds):
 
 def test_caller_feeds_the_yield_output_gradient(feeds):
     session = Session(_training_model(), device="cpu")
-    out = session.run({**feeds, "loss_grad": np.array(2.5, np.float32)}, ["w1_grad", "w2_grad", "loss"])
+    out = session.run({**feeds, "loss_grad": np.array(2.5, np.float32)},
+                      ["w1_grad", "w2_grad", "loss"])
     dw1, dw2 = _analytic(feeds["x"], feeds["w1"], feeds["w2"], 2.5)
     np.testing.assert_allclose(out["w1_grad"], dw1, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(out["w2_grad"], dw2, rtol=1e-5, atol=1e-6)

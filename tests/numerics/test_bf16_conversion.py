@@ -89,7 +89,8 @@ def test_tie_cases_round_toward_zero_not_to_even():
     trunc = bf16_bits_to_float32(fp16_to_bf16_bits(values, "truncate"))
     rnz = bf16_bits_to_float32(fp16_to_bf16_bits(values, "rnz"))
     rne = values.astype(ml_dtypes.bfloat16).astype(np.float32)
-    np.testing.assert_array_equal(trunc, [1.0, 1 + 8 * one_ulp16, -(1 + 8 * one_ulp16), 1.0, 65280.0])
+    np.testing.assert_array_equal(trunc, [1.0, 1 + 8 * one_ulp16, -(1 + 8 * one_ulp16),
+                                          1.0, 65280.0])
     np.testing.assert_array_equal(rnz, [1.0, 1 + 8 * one_ulp16, -(1 + 8 * one_ulp16),
                                         1 + 8 * one_ulp16, 65536.0])
     assert rne[1] == 1 + 16 * one_ulp16 != rnz[1]  # ml_dtypes (RNE) is neither mode

@@ -3,7 +3,12 @@ import json
 import numpy as np
 import pytest
 
-from graphopt.executor.numerics import BackwardPassGuard, Fp16Policy, Numerics, format_denormal_table
+from graphopt.executor.numerics import (
+    BackwardPassGuard,
+    Fp16Policy,
+    Numerics,
+    format_denormal_table,
+)
 
 D = 2.0**-20  # FP16 subnormal
 S = 2.0**-8  # normal, but S * S = 2**-16 is subnormal

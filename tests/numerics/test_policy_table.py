@@ -18,7 +18,7 @@ from graphopt.executor.numerics import (
 
 from .helpers import denormal_probe
 
-O, A = ORIGINAL, ALTERNATE
+ORIG, ALT = ORIGINAL, ALTERNATE
 CONV_OPS = ("conv_fwd", "conv_bwd_data", "conv_bwd_weights")
 
 
@@ -39,17 +39,17 @@ def observed(monkeypatch, name, value):
 
 # GEMM: rocBLAS std::atoi(value) == 0 -> original everywhere, else alternate everywhere.
 GEMM_CASES = {
-    None: (O, A),  # seed table: unset -> forward original, backward alternate
-    "1": (A, A),  # seed table
-    "0": (O, O),  # seed table
-    "": (O, O),  # atoi("") == 0
-    "abc": (O, O),
-    "2": (A, A),
-    "-1": (A, A),  # nonzero
-    " 1": (A, A),  # atoi skips leading whitespace
-    "1x": (A, A),  # atoi stops at the first non-digit
-    "0x1": (O, O),  # atoi is base 10: "0" then stop
-    "4294967296": (O, O),  # glibc: (int) strtol -> low 32 bits are 0
+    None: (ORIG, ALT),  # seed table: unset -> forward original, backward alternate
+    "1": (ALT, ALT),  # seed table
+    "0": (ORIG, ORIG),  # seed table
+    "": (ORIG, ORIG),  # atoi("") == 0
+    "abc": (ORIG, ORIG),
+    "2": (ALT, ALT),
+    "-1": (ALT, ALT),  # nonzero
+    " 1": (ALT, ALT),  # atoi skips leading whitespace
+    "1x": (ALT, ALT),  # atoi stops at the first non-digit
+    "0x1": (ORIG, ORIG),  # atoi is base 10: "0" then stop
+    "4294967296": (ORIG, ORIG),  # glibc: (int) strtol -> low 32 bits are 0
 }
 
 
@@ -61,25 +61,25 @@ def test_gemm_env(monkeypatch, value):
     assert seen[("gemm", "backward")] == backward
     # the GEMM variable never touches convolutions (MIOpen defaults)
     for phase in ("forward", "backward"):
-        assert seen[("conv_fwd", phase)] == O
-        assert seen[("conv_bwd_data", phase)] == A
-        assert seen[("conv_bwd_weights", phase)] == A
+        assert seen[("conv_fwd", phase)] == ORIG
+        assert seen[("conv_bwd_data", phase)] == ALT
+        assert seen[("conv_bwd_weights", phase)] == ALT
 
 
 # Conv: MIOpen strtoull(value, 0) cast to int; fwd alternate iff == 1, bwd iff != 0.
 CONV_CASES = {
-    None: (O, A, A),  # seed table: unset -> forward original, backward alternate
-    "1": (A, A, A),  # seed table
-    "0": (O, O, O),  # seed table
-    "": (O, O, O),  # strtoull("") == 0
-    "abc": (O, O, O),
-    "2": (O, A, A),
-    "-1": (O, A, A),  # ULLONG_MAX -> int -1: the unset behaviour
-    " 1": (A, A, A),
-    "1x": (A, A, A),
-    "0x1": (A, A, A),  # base 0: hex
-    "08": (O, O, O),  # base 0: octal "0", stops at '8'
-    "4294967297": (A, A, A),  # 2**32 + 1 -> int 1
+    None: (ORIG, ALT, ALT),  # seed table: unset -> forward original, backward alternate
+    "1": (ALT, ALT, ALT),  # seed table
+    "0": (ORIG, ORIG, ORIG),  # seed table
+    "": (ORIG, ORIG, ORIG),  # strtoull("") == 0
+    "abc": (ORIG, ORIG, ORIG),
+    "2": (ORIG, ALT, ALT),
+    "-1": (ORIG, ALT, ALT),  # ULLONG_MAX -> int -1: the unset behaviour
+    " 1": (ALT, ALT, ALT),
+    "1x": (ALT, ALT, ALT),
+    "0x1": (ALT, ALT, ALT),  # base 0: hex
+    "08": (ORIG, ORIG, ORIG),  # base 0: octal "0", stops at '8'
+    "4294967297": (ALT, ALT, ALT),  # 2**32 + 1 -> int 1
 }
 
 
@@ -92,15 +92,15 @@ def test_conv_env(monkeypatch, value):
         assert seen[("conv_fwd", phase)] == fwd
         assert seen[("conv_bwd_data", phase)] == bwd_data
         assert seen[("conv_bwd_weights", phase)] == bwd_weights
-    assert seen[("gemm", "forward")] == O
-    assert seen[("gemm", "backward")] == A
+    assert seen[("gemm", "forward")] == ORIG
+    assert seen[("gemm", "backward")] == ALT
 
 
 def test_both_variables_together(monkeypatch):
     monkeypatch.setenv(CONV_ENV, "0")
     seen = observed(monkeypatch, GEMM_ENV, "1")
     assert seen == {
-        (op, phase): (A if op == "gemm" else O)
+        (op, phase): (ALT if op == "gemm" else ORIG)
         for op in ("gemm",) + CONV_OPS
         for phase in ("forward", "backward")
     }
@@ -109,33 +109,33 @@ def test_both_variables_together(monkeypatch):
 def test_env_is_read_once_at_construction(monkeypatch):
     numerics = Numerics(mode="mi200")
     monkeypatch.setenv(GEMM_ENV, "1")
-    assert denormal_probe(numerics, "gemm") == O  # still the unset behaviour
-    assert denormal_probe(Numerics(mode="mi200"), "gemm") == A
+    assert denormal_probe(numerics, "gemm") == ORIG  # still the unset behaviour
+    assert denormal_probe(Numerics(mode="mi200"), "gemm") == ALT
 
 
 def test_programmatic_policy_overrides_env(monkeypatch):
     monkeypatch.setenv(GEMM_ENV, "1")
     numerics = Numerics(mode="mi200", policy=Fp16Policy(gemm="original", conv="alternate"))
     with BackwardPassGuard():
-        assert denormal_probe(numerics, "gemm") == O
+        assert denormal_probe(numerics, "gemm") == ORIG
     for op in CONV_OPS:
-        assert denormal_probe(numerics, op) == A
+        assert denormal_probe(numerics, op) == ALT
 
 
 def test_policy_forms_and_validation():
     assert Fp16Policy() == Fp16Policy(gemm=None, conv=None) == Fp16Policy(gemm="guard")
-    p = Fp16Policy(gemm={"forward": A, "backward": O}, conv={"bwd_weights": O})
-    assert (p.gemm_forward, p.gemm_backward) == (A, O)
-    assert (p.conv_fwd, p.conv_bwd_data, p.conv_bwd_weights) == (O, A, O)
-    assert p.implementation("gemm", backward=True) == O
-    assert p.implementation("conv_bwd_data", backward=False) == A
-    assert Fp16Policy(gemm=(A, A), conv=(A, O, A)).conv_bwd_data == O
-    for bad in (dict(gemm="fast"), dict(conv={"fwd": "x"}), dict(conv={"up": A}),
+    p = Fp16Policy(gemm={"forward": ALT, "backward": ORIG}, conv={"bwd_weights": ORIG})
+    assert (p.gemm_forward, p.gemm_backward) == (ALT, ORIG)
+    assert (p.conv_fwd, p.conv_bwd_data, p.conv_bwd_weights) == (ORIG, ALT, ORIG)
+    assert p.implementation("gemm", backward=True) == ORIG
+    assert p.implementation("conv_bwd_data", backward=False) == ALT
+    assert Fp16Policy(gemm=(ALT, ALT), conv=(ALT, ORIG, ALT)).conv_bwd_data == ORIG
+    for bad in (dict(gemm="fast"), dict(conv={"fwd": "x"}), dict(conv={"up": ALT}),
                 dict(gemm_rounding="rne")):
         with pytest.raises(ValueError):
             Fp16Policy(**bad)
     with pytest.raises(AttributeError):
-        p.gemm_forward = O
+        p.gemm_forward = ORIG
     with pytest.raises(ValueError):
         p.implementation("attention", backward=False)
 

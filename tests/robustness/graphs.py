@@ -128,7 +128,7 @@ class Builder:
         for name in inputs:
             if name:
                 self.consumers[name] = self.consumers.get(name, 0) + 1
-        for out, shape in zip(outputs, out_shapes or []):
+        for out, shape in zip(outputs, out_shapes or [], strict=False):
             if pool:
                 self.add(out, shape)
             else:
@@ -234,7 +234,7 @@ class Builder:
         rank = max(len(batch_a), len(batch_b))
         batch_a = [1] * (rank - len(batch_a)) + batch_a
         batch_b = [1] * (rank - len(batch_b)) + batch_b
-        batch = [max(x, y) for x, y in zip(batch_a, batch_b)]
+        batch = [max(x, y) for x, y in zip(batch_a, batch_b, strict=True)]
         out = batch + [a[-2], b[-1]]
         if a1:
             del out[-2]
@@ -356,7 +356,7 @@ class Builder:
         cuts = sorted(self.draw(st.lists(st.integers(1, d - 1), unique=True, max_size=3))) \
             if d >= 2 else []
         bounds = [0, *cuts, d]
-        return [b - a for a, b in zip(bounds, bounds[1:])]
+        return [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
 
     def gather_or_slice_group(self):
         """Gather/Slice consumers of one tensor that tile an axis (usually)."""
@@ -523,7 +523,7 @@ class Builder:
                                            name=self.node_name("YieldOp"), domain=MS, **attrs))
         for t in forward:
             self.consumers[t] = self.consumers.get(t, 0) + 1
-        self.yield_outputs = list(zip(grads, diff))
+        self.yield_outputs = list(zip(grads, diff, strict=True))
         for g, t in self.yield_outputs:
             self.add(g, self.shape[t])
         return grads

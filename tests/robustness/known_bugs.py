@@ -36,7 +36,7 @@ def stale_marks_model() -> onnx.ModelProto:
                                                    helper.make_opsetid(MS, 1)])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def stale_marks_after_level2() -> bool:
     """True while optimize() is not a fixpoint on ``stale_marks_model`` (the bug is open)."""
     once, _ = graphopt.optimize(stale_marks_model())
@@ -73,7 +73,7 @@ def fan_out_model() -> onnx.ModelProto:
     return model
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fan_out_not_retried() -> bool:
     """True while the Split fusion is missed on ``fan_out_model`` (the bug is open)."""
     _, report = graphopt.optimize(fan_out_model())

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+from conftest import random_feeds
 
 import graphopt
-from conftest import random_feeds
 
 MS = "com.microsoft"
 
@@ -41,7 +41,7 @@ def run_ort(model: onnx.ModelProto, feeds) -> dict[str, np.ndarray]:
     session = ort.InferenceSession(model.SerializeToString(), options,
                                    providers=["CPUExecutionProvider"])
     names = [o.name for o in model.graph.output]
-    return dict(zip(names, session.run(names, feeds)))
+    return dict(zip(names, session.run(names, feeds), strict=True))
 
 
 def run_executor(model: onnx.ModelProto, feeds) -> dict[str, np.ndarray]:
@@ -92,8 +92,7 @@ def check_optimize(model: onnx.ModelProto, *, level: int = 2, seed: int = 0,
 
     again, again_report = graphopt.optimize(optimized, level=level)
     if again.SerializeToString() != optimized.SerializeToString():
-        from .known_bugs import (fan_out_not_retried, stale_marks_after_level2,
-                                 without_marks)
+        from .known_bugs import fan_out_not_retried, stale_marks_after_level2, without_marks
 
         # Open bugs with their own strict xfail tests in test_regressions.py; recognised
         # here only while the bug is open (each is re-detected on its small graph), so the

@@ -7,8 +7,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from graphopt.executor import ExecutorError, Session
-from graphopt.executor import memory
+from graphopt.executor import ExecutorError, Session, memory
 from graphopt.executor.memory import MemoryLimitError, planned_peak
 
 F = TensorProto.FLOAT

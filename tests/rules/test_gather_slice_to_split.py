@@ -4,16 +4,22 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import (assert_same_outputs, fixture_feeds, fixture_path, model_from_text,
-                      op_types, run_ort)
+from conftest import (
+    assert_same_outputs,
+    fixture_feeds,
+    fixture_path,
+    model_from_text,
+    op_types,
+    run_ort,
+)
 from onnx import numpy_helper
 
 import graphopt
 
 RULE = "gather_slice_to_split"
 INT64_MAX = 9223372036854775807
-MQA_FIXTURES = ["mqa_opset14", "mqa_opset14_dynamic", "mqa_opset17", "mqa_opset17_dynamic", "mqa_dynamo",
-                "mqa_dynamo_dynamic", "mqa_block"]
+MQA_FIXTURES = ["mqa_opset14", "mqa_opset14_dynamic", "mqa_opset17", "mqa_opset17_dynamic",
+                "mqa_dynamo", "mqa_dynamo_dynamic", "mqa_block"]
 
 
 def build(body: str, inputs: str = "float[2,6,4] x", outputs: str = "", opset: int = 17,

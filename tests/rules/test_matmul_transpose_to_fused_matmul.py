@@ -7,8 +7,16 @@ import os
 import numpy as np
 import onnx
 import pytest
-from conftest import (assert_same_outputs, fixture_feeds, fixture_path, fused, fused_attrs,
-                      model_from_text, op_types, run_ort)
+from conftest import (
+    assert_same_outputs,
+    fixture_feeds,
+    fixture_path,
+    fused,
+    fused_attrs,
+    model_from_text,
+    op_types,
+    run_ort,
+)
 from onnx import helper
 
 import graphopt
@@ -257,8 +265,9 @@ def test_not_run_at_level_1():
 
 
 # ---- parity with onnxruntime on the fixtures ------------------------------------------
-@pytest.mark.parametrize("name", ["mqa_opset14", "mqa_opset14_dynamic", "mqa_opset17", "mqa_opset17_dynamic",
-                                  "mqa_dynamo", "mqa_dynamo_dynamic", "mqa_block"])
+@pytest.mark.parametrize("name", ["mqa_opset14", "mqa_opset14_dynamic", "mqa_opset17",
+                                  "mqa_opset17_dynamic", "mqa_dynamo", "mqa_dynamo_dynamic",
+                                  "mqa_block"])
 def test_every_onnxruntime_fusedmatmul_appears_in_ours(name, tmp_path):
     path = fixture_path(name + ".onnx")
     theirs = fused(ort_fused(path, tmp_path))

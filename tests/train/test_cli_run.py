@@ -36,7 +36,8 @@ def bad_input_cases(tmp_path, data):
         "unknown example": (["--example", "nope"], "unknown example"),
         "no model": ([], "MODEL or --example"),
         "missing model file": (["nope.onnx", "--data", data], "no such file"),
-        "missing data file": ([MLP, "--data", "nope.npz", "--loss", "cross_entropy"], "no such file"),
+        "missing data file": ([MLP, "--data", "nope.npz", "--loss", "cross_entropy"],
+                              "no such file"),
         "no data": ([MLP, "--loss", "cross_entropy"], "--data"),
         "unreadable data": ([MLP, "--data", str(not_npz), "--loss", "cross_entropy"], "npz"),
         "wrong array names": ([MLP, "--data", wrong, "--loss", "cross_entropy",
@@ -77,7 +78,8 @@ def test_bad_input_is_one_line_exit_1(tmp_path, data):
 def test_graphopt_errors_exit_1_with_exactly_one_line(tmp_path, data):
     result = graphopt("--example", "nope")
     assert result.returncode == 1
-    assert result.stderr == "graphopt: error: unknown example 'nope'; choose one of mqa, mlp-digits\n"
+    assert result.stderr == ("graphopt: error: unknown example 'nope'; "
+                             "choose one of mqa, mlp-digits\n")
 
 
 def test_good_run_reports_rules_policy_progress_and_files(tmp_path, data):

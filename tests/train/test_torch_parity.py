@@ -22,7 +22,7 @@ def torch_losses(optimizer_name: str, lr: float, weight_decay: float, data) -> t
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
     with torch.no_grad():
         for name, param in zip(["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"],
-                               model.parameters()):
+                               model.parameters(), strict=True):
             param.copy_(weights[name])
     if optimizer_name == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=lr, weight_decay=weight_decay)
@@ -41,7 +41,7 @@ def torch_losses(optimizer_name: str, lr: float, weight_decay: float, data) -> t
         opt.step()
         losses.append(loss.item())
     names = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
-    return losses, {n: p.detach().numpy() for n, p in zip(names, model.parameters())}
+    return losses, {n: p.detach().numpy() for n, p in zip(names, model.parameters(), strict=True)}
 
 
 @pytest.mark.parametrize("optimizer,lr,weight_decay", [
