@@ -18,6 +18,15 @@ def test_generated_docs_are_current():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_lint_is_clean_under_the_projects_own_config():
+    pytest.importorskip("ruff")  # in the test extra
+    from ruff.__main__ import find_ruff_bin
+
+    result = subprocess.run([find_ruff_bin(), "check", "--no-cache", str(ROOT)],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+
+
 def test_every_source_package_is_declared_in_setup_cfg():
     config = configparser.ConfigParser()
     config.read(ROOT / "setup.cfg")
