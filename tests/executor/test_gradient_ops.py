@@ -24,6 +24,15 @@ def _fwd(op_type, opset=17, domain="", n_outputs=1, attrs=None, **fixed):
     return f
 
 
+def _assert_gradients(f, args, grads, dy, rtol, atol=1e-7):
+    """Each of ``grads`` is the numerical gradient of ``f(*args)`` in its argument."""
+    for index, grad in enumerate(grads):
+        def f_of_one(value, index=index):
+            return f(*args[:index], value, *args[index + 1:])
+        np.testing.assert_allclose(grad, numeric_grad(f_of_one, args[index], dy), rtol=rtol,
+                                   atol=atol, err_msg=f"gradient of argument {index}")
+
+
 def _grad(op_type, inputs, n_outputs=1, attrs=None):
     return run_single(op_type, inputs, n_outputs, MS, 17, attrs)
 
@@ -109,12 +118,7 @@ def test_layer_normalization_grad(axis):
     def ln(x_, s_, b_):
         return run_single("LayerNormalization", {"x": x_, "s": s_, "b": b_}, 1, attrs=attrs)[0]
 
-    np.testing.assert_allclose(dx, numeric_grad(lambda v: ln(v, scale, bias), x, dy),
-                               rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(dscale, numeric_grad(lambda v: ln(x, v, bias), scale, dy),
-                               rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(dbias, numeric_grad(lambda v: ln(x, scale, v), bias, dy),
-                               rtol=1e-5, atol=1e-7)
+    _assert_gradients(ln, (x, scale, bias), (dx, dscale, dbias), dy, rtol=1e-5)
 
 
 @pytest.mark.parametrize("attrs", [
@@ -129,12 +133,7 @@ def test_conv_grad(attrs):
 
     dy = _randn(*conv(x, w, b).shape)
     dx, dw, db = _grad("ConvGrad", {"dy": dy, "x": x, "w": w}, 3, attrs=attrs)
-    np.testing.assert_allclose(dx, numeric_grad(lambda v: conv(v, w, b), x, dy),
-                               rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(dw, numeric_grad(lambda v: conv(x, v, b), w, dy),
-                               rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(db, numeric_grad(lambda v: conv(x, w, v), b, dy),
-                               rtol=1e-6, atol=1e-7)
+    _assert_gradients(conv, (x, w, b), (dx, dw, db), dy, rtol=1e-6)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
