@@ -566,7 +566,6 @@ def _output_key(expr) -> tuple[int, int] | None:
 
 
 _TEMPLATES: dict = {}
-_LIST_KEY = object()  # marks keys made by _list_template_key
 
 
 def _node_template(op_type: str, domain: str, attrs: dict) -> onnx.NodeProto:
@@ -589,9 +588,10 @@ def _node_template(op_type: str, domain: str, attrs: dict) -> onnx.NodeProto:
 
 def _list_template_key(op_type: str, domain: str, attrs: dict):
     """A key for attributes with list values (as tuples), or None if still unhashable
-    (tensors, graphs: no caching). Shaped unlike the plain key, so the two never meet."""
+    (tensors, graphs: no caching). Three items long where a plain key has an even
+    length, so the two never meet."""
     key = (op_type, domain, tuple((k, tuple(v) if isinstance(v, list) else v, type(v))
-                                  for k, v in attrs.items()), _LIST_KEY)
+                                  for k, v in attrs.items()))
     try:
         hash(key)
     except TypeError:

@@ -200,7 +200,8 @@ class Graph:
         self._implicit: dict[int, list[str]] = {}
         self._scratch: onnx.GraphProto | None = None  # holds the nodes new_node makes
         self.journal: list | None = None
-        self._index_all(proto.node)
+        for node_id, node in enumerate(proto.node):
+            self._index(node, (node_id,), node_id)
         self._ids = itertools.count(len(self.nodes))
         self.changed = False
 
@@ -315,38 +316,6 @@ class Graph:
         if (op_type in known) if known is not None else has_subgraphs(node):
             self._index_subgraphs(node_id, node)
         return node_id
-
-    def _index_all(self, nodes: Iterable[onnx.NodeProto]) -> None:
-        """What _index does for each node in turn (ids and order keys are the positions),
-        with the lookups hoisted out of the loop: loading runs this once per node."""
-        all_nodes, order, op_keys, by_type = self.nodes, self.order, self.op_keys, self.by_type
-        node_inputs, node_outputs = self.node_inputs, self.node_outputs
-        producer, consumers = self.producer, self.consumers
-        for node_id, node in enumerate(nodes):
-            all_nodes[node_id] = node
-            order[node_id] = (node_id,)
-            domain, op_type = node.domain, node.op_type
-            key = op_keys[node_id] = (STANDARD_DOMAIN if domain == "ai.onnx" else domain, op_type)
-            same_type = by_type.get(key)
-            if same_type is None:
-                by_type[key] = {node_id: None}
-            else:
-                same_type[node_id] = None
-            inputs = node_inputs[node_id] = tuple(node.input)
-            outputs = node_outputs[node_id] = tuple(node.output)
-            for name in outputs:
-                if name:
-                    producer[name] = node_id
-            for name in inputs:
-                if name:
-                    users = consumers.get(name)
-                    if users is None:
-                        consumers[name] = {node_id: None}
-                    else:
-                        users[node_id] = None
-            known = _OPS_WITH_SUBGRAPHS.get(domain)
-            if (op_type in known) if known is not None else has_subgraphs(node):
-                self._index_subgraphs(node_id, node)
 
     def _index_subgraphs(self, node_id: int, node: onnx.NodeProto) -> None:
         """Outer-scope tensors the node's subgraphs read count as its inputs."""

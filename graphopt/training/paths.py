@@ -34,18 +34,7 @@ def find_gradient_path(graph: onnx.GraphProto, sources: Iterable[str], targets: 
         if any(name in reached for name in node_inputs(node)):
             reached.update(out for out in node.output if out and types.is_float(out))
 
-    producer = {out: node for node in graph.node for out in node.output if out}
-    used_by_loss: set[str] = set()
-    stack = [t for t in targets]
-    while stack:
-        tensor = stack.pop()
-        if tensor in used_by_loss:
-            continue
-        used_by_loss.add(tensor)
-        node = producer.get(tensor)
-        if node is not None:
-            stack.extend(node_inputs(node))
-
+    _, used_by_loss = _walk_upstream(list(graph.node), targets)
     tensors = reached & used_by_loss
     nodes = [node for node in graph.node if any(out in tensors for out in node.output)]
     return GradientPath(nodes, tensors)
@@ -53,6 +42,13 @@ def find_gradient_path(graph: onnx.GraphProto, sources: Iterable[str], targets: 
 
 def ancestors(graph_nodes: list[onnx.NodeProto], tensors: Iterable[str]) -> list[onnx.NodeProto]:
     """The nodes ``tensors`` depend on, in their original order."""
+    keep, _ = _walk_upstream(graph_nodes, tensors)
+    return [node for i, node in enumerate(graph_nodes) if i in keep]
+
+
+def _walk_upstream(graph_nodes: list[onnx.NodeProto],
+                   tensors: Iterable[str]) -> tuple[set[int], set[str]]:
+    """(indices of the nodes ``tensors`` depend on, every tensor they depend on)."""
     producer = {out: i for i, node in enumerate(graph_nodes) for out in node.output if out}
     keep: set[int] = set()
     stack = list(tensors)
@@ -66,4 +62,4 @@ def ancestors(graph_nodes: list[onnx.NodeProto], tensors: Iterable[str]) -> list
         if index is not None and index not in keep:
             keep.add(index)
             stack.extend(node_inputs(graph_nodes[index]))
-    return [node for i, node in enumerate(graph_nodes) if i in keep]
+    return keep, seen

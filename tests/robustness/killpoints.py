@@ -108,15 +108,6 @@ class KillRig:
             os.unlink(os.path.join(self.out_dir, name))
         return self.seconds
 
-    def _data_name(self, model_bytes: bytes) -> str | None:
-        proto = onnx.ModelProto()
-        proto.ParseFromString(model_bytes)
-        for tensor in proto.graph.initializer:
-            for entry in tensor.external_data:
-                if entry.key == "location":
-                    return entry.value
-        return None
-
     def kill_once(self, sig: int, delay: float, fresh: bool = False) -> KillResult:
         """Interrupt one run; ``fresh``: start from an empty output folder (else the output
         of earlier runs is there and must survive intact)."""
@@ -143,7 +134,7 @@ class KillRig:
                 result.output_state = "CORRUPT"
                 result.problems.append("the output path holds something else than the output")
             else:
-                data_name = self._data_name(got)
+                data_name = _data_file_name(got)
                 data_path = os.path.join(self.out_dir, data_name) if data_name else None
                 if data_path and not os.path.isfile(data_path):
                     result.problems.append(f"output present but its data {data_name} is not")
@@ -186,9 +177,10 @@ class KillRig:
         return result
 
 
-def _expected_data_digest(reference: bytes) -> str | None:
+def _data_file_name(model_bytes: bytes) -> str | None:
+    """Where the model's external data lives (the first initializer's location)."""
     proto = onnx.ModelProto()
-    proto.ParseFromString(reference)
+    proto.ParseFromString(model_bytes)
     for tensor in proto.graph.initializer:
         for entry in tensor.external_data:
             if entry.key == "location":
@@ -197,7 +189,7 @@ def _expected_data_digest(reference: bytes) -> str | None:
 
 
 def _data_matches(reference: bytes, folder: str) -> bool:
-    name = _expected_data_digest(reference)
+    name = _data_file_name(reference)
     return name is None or _is_complete_data_file(reference, os.path.join(folder, name))
 
 
