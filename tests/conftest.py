@@ -9,7 +9,12 @@ import onnx
 import onnx.parser
 import pytest
 
+import graphopt
+
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+# the Falcon MQA exports in fixtures/ (make_fixtures.py)
+MQA_FIXTURES = ["mqa_opset14", "mqa_opset14_dynamic", "mqa_opset17", "mqa_opset17_dynamic",
+                "mqa_dynamo", "mqa_dynamo_dynamic", "mqa_block"]
 
 
 def model_from_text(text: str) -> onnx.ModelProto:
@@ -35,6 +40,18 @@ def run_ort(model: onnx.ModelProto | str, feeds: dict) -> list[np.ndarray]:
     source = model if isinstance(model, str) else model.SerializeToString()
     return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"]).run(None,
                                                                                           feeds)
+
+
+def ort_optimized(model: onnx.ModelProto | str, tmp_path) -> onnx.ModelProto:
+    """The model as onnxruntime's own ORT_ENABLE_EXTENDED optimizers leave it."""
+    ort = pytest.importorskip("onnxruntime")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    target = os.path.join(tmp_path, "ort_optimized.onnx")
+    options.optimized_model_filepath = target
+    source = model if isinstance(model, str) else model.SerializeToString()
+    ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    return onnx.load(target)
 
 
 def random_feeds(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
@@ -78,3 +95,43 @@ def fused_attrs(node: onnx.NodeProto) -> dict:
     attrs = dict(FUSED_MATMUL_DEFAULTS)
     attrs.update({a.name: onnx.helper.get_attribute_value(a) for a in node.attribute})
     return attrs
+
+
+def overlapping_slices_model() -> onnx.ModelProto:
+    """Two Slices of x on axis 1, [0, 4) and [3, 6): gather_slice_to_split declines (overlap)."""
+    return model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,6,4] x) => (float[2,4,4] a, float[2,3,4] b) {
+          s0 = Constant <value = int64[1] {0}> ()
+          e0 = Constant <value = int64[1] {4}> ()
+          ax = Constant <value = int64[1] {1}> ()
+          a = Slice(x, s0, e0, ax)
+          s1 = Constant <value = int64[1] {3}> ()
+          e1 = Constant <value = int64[1] {6}> ()
+          b = Slice(x, s1, e1, ax)
+        }""")
+
+
+# ---- optimizer checks shared by the rule tests ---------------------------------------------
+def assert_no_change(model: onnx.ModelProto, rules, **kw):
+    """Optimizing `model` with `rules` (and `kw`) gives it back byte for byte; the report."""
+    out, report = graphopt.optimize(model, list(rules), **kw)
+    assert out.SerializeToString() == model.SerializeToString()
+    return report
+
+
+def assert_declined(model: onnx.ModelProto, rule: str, reason: str):
+    """`rule` leaves `model` as it is, and its explain text says `reason`; the report."""
+    report = assert_no_change(model, [rule], explain=[rule])
+    text = report.format_explain(rule)
+    assert reason in text, text
+    return report
+
+
+def assert_second_run_changes_nothing(out: onnx.ModelProto, rules, **kw):
+    """A rewritten model is a fixpoint: optimizing it again with `rules` runs each of them,
+    rewrites nothing and gives it back byte for byte; the report."""
+    report = assert_no_change(out, rules, **kw)
+    assert set(rules) <= set(report.rules), report.format_table()
+    assert all(s.rewrites == 0 for s in report.rules.values()), report.format_table()
+    return report

@@ -11,7 +11,7 @@ import sys
 import onnx
 import pytest
 from click.testing import CliRunner
-from conftest import fixture_path, model_from_text
+from conftest import fixture_path, model_from_text, overlapping_slices_model
 
 import graphopt
 from graphopt.cli import main
@@ -20,17 +20,7 @@ from graphopt.registry import all_rules
 MQA = fixture_path("mqa_opset17.onnx")
 MQA_BYTES = open(MQA, "rb").read()
 
-OVERLAP = model_from_text("""
-    <ir_version: 8, opset_import: ["" : 17]>
-    g (float[2,6,4] x) => (float[2,4,4] a, float[2,3,4] b) {
-      s0 = Constant <value = int64[1] {0}> ()
-      e0 = Constant <value = int64[1] {4}> ()
-      ax = Constant <value = int64[1] {1}> ()
-      a = Slice(x, s0, e0, ax)
-      s1 = Constant <value = int64[1] {3}> ()
-      e1 = Constant <value = int64[1] {6}> ()
-      b = Slice(x, s1, e1, ax)
-    }""")
+OVERLAP = overlapping_slices_model()
 
 
 def invoke(*args):

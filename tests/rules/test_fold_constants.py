@@ -3,7 +3,13 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from conftest import assert_same_outputs, model_from_text, op_types
+from conftest import (
+    assert_no_change,
+    assert_same_outputs,
+    assert_second_run_changes_nothing,
+    model_from_text,
+    op_types,
+)
 from onnx import numpy_helper
 
 import graphopt
@@ -18,12 +24,6 @@ def run(model):
 def initializer(model, name):
     (t,) = [t for t in model.graph.initializer if t.name == name]
     return numpy_helper.to_array(t)
-
-
-def assert_second_run_changes_nothing(out):
-    again, report = run(out)
-    assert again.SerializeToString() == out.SerializeToString()
-    assert report.rules[PASS].rewrites == 0
 
 
 def test_unsqueeze_of_constants_becomes_an_initializer():
@@ -46,7 +46,7 @@ def test_unsqueeze_of_constants_becomes_an_initializer():
     assert report.rules[PASS].rewrites == 2
     onnx.checker.check_model(out, full_check=True)
     assert_same_outputs(model, out, atol=0, rtol=0)
-    assert_second_run_changes_nothing(out)
+    assert_second_run_changes_nothing(out, [PASS])
 
 
 def test_chain_of_constant_arithmetic_folds_to_one_value():
@@ -63,7 +63,7 @@ def test_chain_of_constant_arithmetic_folds_to_one_value():
     np.testing.assert_array_equal(initializer(out, "q"), np.array([1.5, 3.0, 9.0], np.float32))
     assert [t.name for t in out.graph.initializer] == ["q"]
     assert_same_outputs(model, out, atol=0, rtol=0)
-    assert_second_run_changes_nothing(out)
+    assert_second_run_changes_nothing(out, [PASS])
 
 
 def test_node_reading_a_runtime_input_stays():
@@ -72,8 +72,7 @@ def test_node_reading_a_runtime_input_stays():
         g (float[3] x) => (float[3] y) <float[3] a = {1.0, 2.0, 3.0}> {
           y = Mul(x, a)
         }""")
-    out, report = run(model)
-    assert out.SerializeToString() == model.SerializeToString()
+    report = assert_no_change(model, [PASS])
     assert report.rules[PASS].rewrites == 0
 
 
@@ -84,8 +83,7 @@ def test_initializer_that_is_also_a_graph_input_is_not_a_constant():
           b = Neg(a)
           y = Add(x, b)
         }""")
-    out, _ = run(model)
-    assert out.SerializeToString() == model.SerializeToString()
+    assert_no_change(model, [PASS])
 
 
 def test_node_producing_a_graph_output_stays():
@@ -95,8 +93,7 @@ def test_node_producing_a_graph_output_stays():
           k = Neg(a)
           y = Add(x, k)
         }""")
-    out, _ = run(model)
-    assert out.SerializeToString() == model.SerializeToString()
+    assert_no_change(model, [PASS])
 
 
 def test_large_results_are_not_folded():
@@ -118,7 +115,7 @@ def test_large_results_are_not_folded():
     assert {t.name for t in out.graph.initializer} == {"W", "st"}
     assert report.rules[PASS].rewrites == 1
     assert_same_outputs(model, out, atol=0, rtol=0)
-    assert_second_run_changes_nothing(out)
+    assert_second_run_changes_nothing(out, [PASS])
 
 
 def test_random_and_contrib_ops_are_not_folded():
@@ -130,8 +127,7 @@ def test_random_and_contrib_ops_are_not_folded():
           g = com.microsoft.Gelu(a)
           y = Add(x, g)
         }""")
-    out, report = run(model)
-    assert out.SerializeToString() == model.SerializeToString()
+    report = assert_no_change(model, [PASS])
     assert report.rules[PASS].rewrites == 0
 
 
@@ -143,6 +139,5 @@ def test_node_with_a_subgraph_is_not_folded():
                       else_branch = e () => (float[1] o2) { o2 = Identity(a) }>
           y = Add(x, k)
         }""")
-    out, report = run(model)
-    assert out.SerializeToString() == model.SerializeToString()
+    report = assert_no_change(model, [PASS])
     assert report.rules[PASS].rewrites == 0

@@ -2,19 +2,23 @@
 from __future__ import annotations
 
 import itertools
-import os
 
 import numpy as np
 import onnx
 import pytest
 from conftest import (
+    MQA_FIXTURES,
+    assert_declined,
+    assert_no_change,
     assert_same_outputs,
+    assert_second_run_changes_nothing,
     fixture_feeds,
     fixture_path,
     fused,
     fused_attrs,
     model_from_text,
     op_types,
+    ort_optimized,
     run_ort,
 )
 from onnx import helper
@@ -24,24 +28,6 @@ import graphopt
 RULE = "matmul_transpose_to_fused_matmul"
 def run(model, rules=(RULE,), **kw):
     return graphopt.optimize(model, list(rules), **kw)
-
-
-def assert_second_run_changes_nothing(out, rules=(RULE,), **kw):
-    again, report = graphopt.optimize(out, list(rules), **kw)
-    assert again.SerializeToString() == out.SerializeToString()
-    assert all(s.rewrites == 0 for s in report.rules.values())
-
-
-def ort_fused(model: onnx.ModelProto, tmp_path) -> onnx.ModelProto:
-    """The model as onnxruntime's own ORT_ENABLE_EXTENDED optimizers leave it."""
-    ort = pytest.importorskip("onnxruntime")
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-    target = os.path.join(tmp_path, "ort_optimized.onnx")
-    options.optimized_model_filepath = target
-    source = model if isinstance(model, str) else model.SerializeToString()
-    ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
-    return onnx.load(target)
 
 
 # ---- every expressible Transpose, on A, on B, on both --------------------------------
@@ -111,10 +97,10 @@ def test_transposes_fold_into_flags(rank, kind_a, kind_b, tmp_path):
     # numerics: onnxruntime runs com.microsoft FusedMatMul on CPU
     assert_same_outputs(model, out, rtol=1e-5, atol=1e-5)
     # parity: onnxruntime's own MatMulTransposeFusion makes the same node
-    (theirs,) = fused(ort_fused(model, tmp_path))
+    (theirs,) = fused(ort_optimized(model, tmp_path))
     assert list(theirs.input) == list(node.input)
     assert fused_attrs(theirs) == fused_attrs(node)
-    assert_second_run_changes_nothing(out)
+    assert_second_run_changes_nothing(out, [RULE])
 
 
 def test_fusedmatmul_base_absorbs_another_transpose():
@@ -131,7 +117,7 @@ def test_fusedmatmul_base_absorbs_another_transpose():
     assert fused_attrs(node) == {"alpha": 0.5, "transA": 1, "transB": 1, "transBatchA": 0,
                                  "transBatchB": 0}
     assert_same_outputs(model, out, rtol=1e-5, atol=1e-5)
-    assert_second_run_changes_nothing(out)
+    assert_second_run_changes_nothing(out, [RULE])
 
 
 def test_transpose_cancelling_a_flag_clears_it():
@@ -165,7 +151,7 @@ def test_transpose_with_another_consumer_stays():
     (relu,) = [n for n in out.graph.node if n.op_type == "Relu"]
     assert list(relu.input) == ["tb"]
     assert_same_outputs(model, out, rtol=1e-5, atol=1e-5)
-    assert_second_run_changes_nothing(out)
+    assert_second_run_changes_nothing(out, [RULE])
 
 
 def test_transpose_that_is_a_graph_output_stays():
@@ -186,9 +172,7 @@ def test_transpose_that_is_a_graph_output_stays():
 
 def test_int32_matmul_is_not_fused():
     model = transposed_matmul(3, None, "trans", dtype=onnx.TensorProto.INT32)
-    out, report = run(model, explain=[RULE])
-    assert out.SerializeToString() == model.SerializeToString()
-    assert "FusedMatMul needs float inputs" in report.format_explain(RULE)
+    assert_declined(model, RULE, "FusedMatMul needs float inputs")
 
 
 @pytest.mark.parametrize("perm", [[2, 0, 1], [2, 1, 0]])
@@ -200,10 +184,7 @@ def test_non_expressible_perm_is_not_fused(perm):
           ta = Transpose <perm = {perm}> (a)
           y = MatMul(ta, b)
         }}""")
-    out, report = run(model, explain=[RULE])
-    assert out.SerializeToString() == model.SerializeToString()
-    assert f"Transpose perm {perm} is not expressible by FusedMatMul flags" in \
-        report.format_explain(RULE)
+    assert_declined(model, RULE, f"Transpose perm {perm} is not expressible by FusedMatMul flags")
 
 
 def test_attention_perm_0213_is_not_fused():
@@ -213,9 +194,7 @@ def test_attention_perm_0213_is_not_fused():
           ta = Transpose <perm = [0, 2, 1, 3]> (a)
           y = MatMul(ta, b)
         }""")
-    out, report = run(model, explain=[RULE])
-    assert out.SerializeToString() == model.SerializeToString()
-    assert "not expressible" in report.format_explain(RULE)
+    assert_declined(model, RULE, "not expressible")
 
 
 def test_transbatch_with_inputs_of_different_rank_is_not_fused():
@@ -227,10 +206,7 @@ def test_transbatch_with_inputs_of_different_rank_is_not_fused():
           t = Transpose <perm = [1, 0, 2]> (a)
           y = MatMul(t, w)
         }""")
-    out, report = run(model, explain=[RULE])
-    assert out.SerializeToString() == model.SerializeToString()
-    assert "transBatch needs both inputs of the same rank >= 3 (ranks 3, 2)" in \
-        report.format_explain(RULE)
+    assert_declined(model, RULE, "transBatch needs both inputs of the same rank >= 3 (ranks 3, 2)")
 
 
 def test_plain_trans_with_inputs_of_different_rank_is_fused():
@@ -252,8 +228,7 @@ def test_matmul_without_transpose_is_not_a_match():
         g (float[5,7] a, float[7,4] b) => (float[5,4] y) {
           y = MatMul(a, b)
         }""")
-    out, report = run(model)
-    assert out.SerializeToString() == model.SerializeToString()
+    report = assert_no_change(model, [RULE])
     assert report.rules[RULE].rewrites == 0
 
 
@@ -265,12 +240,10 @@ def test_not_run_at_level_1():
 
 
 # ---- parity with onnxruntime on the fixtures ------------------------------------------
-@pytest.mark.parametrize("name", ["mqa_opset14", "mqa_opset14_dynamic", "mqa_opset17",
-                                  "mqa_opset17_dynamic", "mqa_dynamo", "mqa_dynamo_dynamic",
-                                  "mqa_block"])
+@pytest.mark.parametrize("name", MQA_FIXTURES)
 def test_every_onnxruntime_fusedmatmul_appears_in_ours(name, tmp_path):
     path = fixture_path(name + ".onnx")
-    theirs = fused(ort_fused(path, tmp_path))
+    theirs = fused(ort_optimized(path, tmp_path))
     assert theirs, "onnxruntime made no FusedMatMul: nothing to compare"
     out, _ = graphopt.optimize(path)
     ours = {(tuple(n.input), tuple(n.output)): fused_attrs(n) for n in fused(out)}
