@@ -42,3 +42,12 @@ def write_section(title: str, body: str, path: Path = RESULTS) -> None:
     else:
         text = text.rstrip() + "\n\n" + section
     path.write_text(text)
+
+
+def publish(title: str, lines: list[str], write: bool) -> None:
+    """Print a benchmark's report and, when ``write`` (no ``--no-write``), put it in RESULTS.md
+    as the '## title' section."""
+    body = "\n".join(lines)
+    print(body)
+    if write:
+        write_section(title, body)

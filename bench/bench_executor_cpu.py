@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import onnx
 import onnxruntime as ort
-from _common import interleaved_medians, write_section
+from _common import interleaved_medians, publish
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
@@ -117,10 +117,7 @@ def main(argv=None) -> int:
         f"onnxruntime {ort.__version__}, onnx {onnx.__version__}.",
         f"Command: `{command.strip()}`",
     ]
-    text = "\n".join(table)
-    print(text)
-    if not args.no_write:
-        write_section(SECTION, text)
+    publish(SECTION, table, write=not args.no_write)
     return 0
 
 

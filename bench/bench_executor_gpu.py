@@ -19,7 +19,7 @@ import io
 import sys
 import time
 
-from _common import machine, write_section
+from _common import machine, publish
 
 SECTION = "Executor on GPU (issue 4)"
 
@@ -164,10 +164,7 @@ def main(argv=None) -> int:
               f"'{name}' max relative difference {rel:.2e}.",
               f"Machine: {machine()}, {cupy.cuda.runtime.getDeviceProperties(0)['name']}.",
               "Command: `python bench/bench_executor_gpu.py`"]
-    table = "\n".join(lines)
-    print(table)
-    if not args.no_write:
-        write_section(SECTION, table)
+    publish(SECTION, lines, write=not args.no_write)
     return 0
 
 

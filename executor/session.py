@@ -11,6 +11,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from graphopt.ir import type_dims
+
 from .backend import select_backend
 from .context import KernelContext
 from .errors import ExecutorError, FeedError, KernelError, UnsupportedOpsError
@@ -37,16 +39,9 @@ def value_type(value_info: onnx.ValueInfoProto) -> tuple[np.dtype | None, list |
     tensor_type = value_info.type.tensor_type
     dtype = (onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
              if tensor_type.elem_type else None)
-    if not tensor_type.HasField("shape"):
+    dims = type_dims(value_info.type)
+    if dims is None:
         return dtype, None
-    dims = []
-    for dim in tensor_type.shape.dim:
-        if dim.HasField("dim_value"):
-            dims.append(dim.dim_value)
-        elif dim.HasField("dim_param"):
-            dims.append(dim.dim_param)
-        else:
-            dims.append(None)
     return np.dtype(dtype) if dtype is not None else None, dims
 
 

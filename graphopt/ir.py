@@ -41,6 +41,22 @@ def get_attr(node: onnx.NodeProto, name: str, default=None):
     return default
 
 
+def type_dims(type_proto: onnx.TypeProto) -> list[int | str | None] | None:
+    """A tensor type's dims: an int, a symbol or None (unknown) each; None without a shape."""
+    tensor_type = type_proto.tensor_type
+    if not tensor_type.HasField("shape"):
+        return None
+    dims: list[int | str | None] = []
+    for dim in tensor_type.shape.dim:
+        if dim.HasField("dim_value"):
+            dims.append(dim.dim_value)
+        elif dim.HasField("dim_param"):
+            dims.append(dim.dim_param)
+        else:
+            dims.append(None)
+    return dims
+
+
 _GRAPH_ATTRIBUTE_TYPES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 
 

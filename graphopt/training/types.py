@@ -12,25 +12,12 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from ..ir import type_dims
+
 Dim = int | str | None
 
 FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
                          onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
-
-
-def _dims(type_proto: onnx.TypeProto) -> list[Dim] | None:
-    tensor_type = type_proto.tensor_type
-    if not tensor_type.HasField("shape"):
-        return None
-    dims: list[Dim] = []
-    for dim in tensor_type.shape.dim:
-        if dim.HasField("dim_value"):
-            dims.append(dim.dim_value)
-        elif dim.HasField("dim_param"):
-            dims.append(dim.dim_param)
-        else:
-            dims.append(None)
-    return dims
 
 
 class TypeTable:
@@ -53,7 +40,7 @@ class TypeTable:
         graph = inferred.graph
         for vi in itertools.chain(graph.input, graph.output, graph.value_info):
             if vi.type.HasField("tensor_type"):
-                table.set(vi.name, vi.type.tensor_type.elem_type or None, _dims(vi.type))
+                table.set(vi.name, vi.type.tensor_type.elem_type or None, type_dims(vi.type))
         for init in graph.initializer:
             table.set(init.name, init.data_type, list(init.dims))
             table._constants[init.name] = init

@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import numpy_helper
+from train.helpers import mlp_data, write_npz  # tests/train/helpers.py (tests/ is on sys.path)
 
 from graphopt.errors import GraphoptError
 from graphopt.executor.train import RunOptions, run
@@ -25,17 +26,6 @@ from graphopt.executor.train.distributed import ShardedBatches, plan_buckets
 HERE = os.path.dirname(__file__)
 WORKER = os.path.join(HERE, "worker.py")
 MLP = os.path.join(HERE, os.pardir, "fixtures", "mlp.onnx")  # Gemm(64->32) Relu Gemm(32->10)
-
-
-def mlp_data(samples: int, seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return {"x": rng.standard_normal((samples, 64)).astype(np.float32),
-            "labels": rng.integers(0, 10, samples).astype(np.int64)}
-
-
-def write_npz(path, arrays) -> str:
-    np.savez(path, **arrays)
-    return str(path)
 
 
 def _mpiexec() -> str | None:
