@@ -21,7 +21,7 @@ from onnx import numpy_helper
 
 from .dsl import NewConstant, OpExpr, OpOutput, Pass, Rule
 from .errors import GraphoptError, RewriteRejected
-from .ir import MS_DOMAIN, STANDARD_DOMAIN, Graph, Model, get_attr
+from .ir import MS_DOMAIN, STANDARD_DOMAIN, Graph, Model, PendingNode, get_attr, has_subgraphs
 from .match import CompiledPattern, Match, Miss, TensorView
 from .report import Report
 
@@ -290,19 +290,24 @@ def _rewrite_single(model: Model, graph: Graph, rule: Rule, m: Match, expr: OpEx
     _check_inputs(model, graph, inputs, order, root)
     # What Rewriter.apply does for such a result, in the same order.
     root_node = graph.nodes[root]
-    node = graph.new_node(_node_template(expr.op_type, expr.domain, expr.attrs))
-    node.name = model.names.fresh(_name_hint(root_node.name or rule.name, expr.op_type))
-    node.input.extend(inputs)
-    node.output.append(old)
-    if domain == STANDARD_DOMAIN:
-        _infer(graph, node, model.opset(STANDARD_DOMAIN) or 1)
-    attributes = root_node.attribute
+    template = _node_template(expr.op_type, expr.domain, expr.attrs)
+    name = model.names.fresh(_name_hint(root_node.name or rule.name, expr.op_type))
+    attributes = None if type(root_node) is PendingNode else root_node.attribute
     sticky = [attr for attr in attributes if attr.name in STICKY_ATTRIBUTES] \
         if attributes else None
+    if domain == STANDARD_DOMAIN or sticky or has_subgraphs(template):
+        node = graph.new_node(template)
+        node.name = name
+        node.input.extend(inputs)
+        node.output.append(old)
+        if domain == STANDARD_DOMAIN:
+            _infer(graph, node, model.opset(STANDARD_DOMAIN) or 1)
+        if sticky:
+            node.attribute.extend(sticky)
+    else:  # nothing reads the proto of such a node before the model is written
+        node = PendingNode(template, name, inputs, outputs)
     removed_inputs = graph.node_inputs[root]
     graph.remove_node(root)
-    if sticky:
-        node.attribute.extend(sticky)
     new_id = graph.add_node(node, order, (inputs, outputs), (domain, expr.op_type))
     dead = graph.remove_dead(removed_inputs)
     if expr.domain:
@@ -331,7 +336,7 @@ def _check_new_node(model: Model, graph: Graph, node_id: int) -> None:
     standard-domain nodes pass ONNX per-node inference agreeing with known types."""
     _check_inputs(model, graph, graph.node_inputs[node_id], graph.order[node_id], -1)
     if graph.op_keys[node_id][0] == STANDARD_DOMAIN:
-        _infer(graph, graph.nodes[node_id], model.opset(STANDARD_DOMAIN) or 1)
+        _infer(graph, graph.node(node_id), model.opset(STANDARD_DOMAIN) or 1)
 
 
 def _neighbourhood(graph: Graph, new_ids, lost) -> dict[int, None]:
@@ -436,12 +441,12 @@ class Rewriter:
 
     def _sticky_attributes(self, roots: list[int]) -> list[onnx.AttributeProto]:
         """Sticky attributes of the first root that every other root carries too."""
-        nodes = self.graph.nodes
-        attributes = nodes[roots[0]].attribute
+        node = self.graph.node
+        attributes = node(roots[0]).attribute
         if not attributes:  # the common case, without building a list
             return []
         return [attr for attr in attributes if attr.name in STICKY_ATTRIBUTES
-                and all(get_attr(nodes[r], attr.name) is not None for r in roots[1:])]
+                and all(get_attr(node(r), attr.name) is not None for r in roots[1:])]
 
     def _redirect(self, old: str, new: str) -> None:
         graph = self.graph

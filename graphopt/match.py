@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 
 from .dsl import AttrBinding, Const, Expr, FanOut, OneOf, OpExpr, OpOutput, Var
-from .ir import Graph, get_attr
+from .ir import Graph
 
 
 class Miss:
@@ -113,7 +113,7 @@ def compile_op(pattern: OpExpr) -> Matcher:
             return Miss("{} has {} inputs, pattern needs {}", _node_label(graph, node_id),
                         len(names), arity)
         if attr_checks:
-            miss = _check_attributes(graph, node_id, graph.nodes[node_id], attr_checks, b)
+            miss = _check_attributes(graph, node_id, attr_checks, b)
             if miss is not None:
                 return miss
         if bind:
@@ -130,9 +130,9 @@ def compile_op(pattern: OpExpr) -> Matcher:
     return match
 
 
-def _check_attributes(graph: Graph, node_id: int, node, attr_checks, b: Bindings):
+def _check_attributes(graph: Graph, node_id: int, attr_checks, b: Bindings):
     for name, expected in attr_checks:
-        actual = get_attr(node, name)
+        actual = graph.attr(node_id, name)
         if isinstance(expected, AttrBinding):
             b[expected.name] = expected.default if actual is None else actual
             b.kinds[expected.name] = "attr"
@@ -311,7 +311,7 @@ class _Emitter:
 
     def __init__(self):
         self.lines: list[str] = []
-        self.namespace: dict = {"get_attr": get_attr, "_same_attr": _same_attr}
+        self.namespace: dict = {"_same_attr": _same_attr}
         self.counter = 0
 
     def const(self, value) -> str:
@@ -393,10 +393,8 @@ class _Emitter:
             self.emit(indent, f"if len({ins}) < {arity}: break")
         # (the root's arity was tested by the pre-check)
         if pattern.attrs:
-            node = self.fresh("node")
-            self.emit(indent, f"{node} = nodes[{nid}]")
             for name, expected in pattern.attrs.items():
-                actual = f"get_attr({node}, {name!r})"
+                actual = f"attr_of({nid}, {name!r})"
                 if isinstance(expected, AttrBinding):
                     var = self.variables[expected.name]
                     value = self.fresh("a")
@@ -472,7 +470,7 @@ class _Emitter:
 
 _PROLOGUE = (("node_inputs", "graph.node_inputs"), ("op_keys", "graph.op_keys"),
              ("op_keys_get", "graph.op_keys.get"), ("producer_get", "graph.producer.get"),
-             ("node_outputs", "graph.node_outputs"), ("nodes", "graph.nodes"),
+             ("node_outputs", "graph.node_outputs"), ("attr_of", "graph.attr"),
              ("constant_value", "graph.constant_value"))
 
 
@@ -634,20 +632,20 @@ class CompiledPattern:
 class NodeView:
     """A matched node as rules see it."""
 
-    __slots__ = ("graph", "id", "proto")
+    __slots__ = ("graph", "id")
 
     def __init__(self, graph: Graph, node_id: int):
         self.graph, self.id = graph, node_id
-        self.proto = graph.nodes[node_id]
 
-    name = property(lambda self: self.proto.name)
+    proto = property(lambda self: self.graph.node(self.id))
+    name = property(lambda self: self.graph.nodes[self.id].name)  # a pending node has it
     # from the index: reading the proto makes a Python string every time
     op_type = property(lambda self: self.graph.op_keys[self.id][1])
     inputs = property(lambda self: [TensorView(self.graph, n) for n in self.proto.input])
     outputs = property(lambda self: [TensorView(self.graph, n) for n in self.proto.output])
 
     def attr(self, name: str, default=None):
-        return get_attr(self.proto, name, default)
+        return self.graph.attr(self.id, name, default)
 
     def input(self, index: int) -> TensorView | None:
         names = self.proto.input

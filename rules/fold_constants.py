@@ -46,8 +46,10 @@ def fold(graph, report) -> int:
     for node_id in graph.sorted_ids():
         node = graph.nodes.get(node_id)
         if (node is None or node.op_type in NOT_FOLDED or not node.input
-                or normalize_domain(node.domain) != STANDARD_DOMAIN
-                or any(True for _ in subgraphs_of(node))
+                or normalize_domain(node.domain) != STANDARD_DOMAIN):
+            continue
+        node = graph.node(node_id)
+        if (any(True for _ in subgraphs_of(node))
                 or any(graph.is_output(o) for o in node.output)
                 or not all(name and graph.constant_value(name, MAX_FOLDED_ELEMENTS) is not None
                            for name in node.input)):

@@ -7,7 +7,7 @@ import onnx
 
 from graphopt.dsl import Pass
 from graphopt.errors import GraphoptError
-from graphopt.ir import MS_DOMAIN, get_attr
+from graphopt.ir import MS_DOMAIN
 
 ATTRIBUTE = "__backwardpass"
 
@@ -18,7 +18,7 @@ def forward_nodes(graph, yield_id: int) -> set[int]:
     stack = [yield_id]
     while stack:
         node_id = stack.pop()
-        node = graph.nodes[node_id]
+        node = graph.nodes[node_id]  # (pending or built, both have input)
         for name in list(node.input) + graph._implicit.get(node_id, []):
             producer = graph.producer.get(name)
             if producer is not None and producer not in ancestors:
@@ -44,7 +44,7 @@ def mark(graph, report) -> int:
             # with a second attribute wrongly: shape inference took __backwardpass=1 as its
             # value, the whole-model check failed and the pass was rolled back entirely.
             continue
-        marked = get_attr(node, ATTRIBUTE) == 1
+        marked = graph.attr(node_id, ATTRIBUTE) == 1
         if node_id in forward and marked:
             graph.set_attribute(node_id, onnx.helper.make_attribute(ATTRIBUTE, 0))
             changes += 1
