@@ -295,7 +295,7 @@ def _rewrite_single(model: Model, graph: Graph, rule: Rule, m: Match, expr: OpEx
     attributes = None if type(root_node) is PendingNode else root_node.attribute
     sticky = [attr for attr in attributes if attr.name in STICKY_ATTRIBUTES] \
         if attributes else None
-    if domain == STANDARD_DOMAIN or sticky or has_subgraphs(template):
+    if domain == STANDARD_DOMAIN or sticky or has_subgraphs(template, domain, expr.op_type):
         node = graph.new_node(template)
         node.name = name
         node.input.extend(inputs)

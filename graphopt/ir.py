@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator
+from sys import intern
 
 import numpy as np
 import onnx
@@ -70,10 +71,15 @@ _OPS_WITH_SUBGRAPHS = {"": frozenset({"If", "Loop", "Scan", "SequenceMap"}),
                                              "WhisperBeamSearch"})}
 
 
-def has_subgraphs(node: onnx.NodeProto) -> bool:
-    known = _OPS_WITH_SUBGRAPHS.get(node.domain)
+def has_subgraphs(node: onnx.NodeProto, domain: str | None = None,
+                  op_type: str | None = None) -> bool:
+    """``domain`` and ``op_type``: the node's, if the caller has them (a proto's string
+    fields make a new str at each read)."""
+    if domain is None:
+        domain, op_type = node.domain, node.op_type
+    known = _OPS_WITH_SUBGRAPHS.get(domain)
     if known is not None:
-        return node.op_type in known
+        return op_type in known
     return any(a.type in _GRAPH_ATTRIBUTE_TYPES for a in node.attribute)
 
 
@@ -128,11 +134,13 @@ class NameGenerator:
         self._next: dict[str, int] = {}
 
     def fresh(self, hint: str) -> str:
-        if hint not in self.used:
-            self.used.add(hint)
-            return hint
         used = self.used
-        n = self._next.get(hint, 1)
+        n = self._next.get(hint)  # a hint seen before is used: skip testing it
+        if n is None:
+            if hint not in used:
+                used.add(hint)
+                return hint
+            n = 1
         name = f"{hint}_{n}"
         while name in used:
             n += 1
@@ -240,18 +248,22 @@ class Graph:
         # Each node's input and output names, read from the proto once: a protobuf string
         # field makes (and decodes) a new str at every access, which would dominate the
         # matcher and the index updates. The mutation primitives keep them current.
+        # Names read from the proto are interned, so every copy of a name is one object:
+        # a dict compares keys by identity before comparing text, and in a large graph's
+        # indexes (bigger than the CPU caches) the text compare cost a cache miss a probe.
         self.node_inputs: dict[int, tuple[str, ...]] = {}
         self.node_outputs: dict[int, tuple[str, ...]] = {}
         self.subgraph_owners: dict[int, None] = {}  # nodes with graph attributes
-        self.initializers: dict[str, onnx.TensorProto] = {t.name: t for t in proto.initializer}
-        self.input_names = [i.name for i in proto.input]
+        self.initializers: dict[str, onnx.TensorProto] = {intern(t.name): t
+                                                          for t in proto.initializer}
+        self.input_names = [intern(i.name) for i in proto.input]
         self.input_set = frozenset(self.input_names)  # for membership tests in hot paths
-        self.output_names = [o.name for o in proto.output]
+        self.output_names = [intern(o.name) for o in proto.output]
         self.protected = set(self.output_names)
         self.types: dict[str, onnx.TypeProto] = {}
         for vi in itertools.chain(proto.input, proto.output, proto.value_info):
             if vi.type.HasField("tensor_type"):
-                self.types[vi.name] = vi.type
+                self.types[intern(vi.name)] = vi.type
         self._implicit: dict[int, list[str]] = {}
         self._scratch: onnx.GraphProto | None = None  # holds the nodes new_node makes
         self.journal: list | None = None
@@ -368,8 +380,11 @@ class Graph:
         if by_type is None:
             by_type = self.by_type[key] = {}
         by_type[node_id] = None
-        inputs, outputs = (tuple(node.input[:]), tuple(node.output[:])) if edges is None \
-            else edges  # (via a slice: tuple() of the protobuf field itself is 2x slower)
+        if edges is None:  # (a slice first: iterating the protobuf field itself is slower)
+            inputs, outputs = tuple(map(intern, node.input[:])), \
+                tuple(map(intern, node.output[:]))
+        else:
+            inputs, outputs = edges
         self.node_inputs[node_id], self.node_outputs[node_id] = inputs, outputs
         producer, consumers = self.producer, self.consumers
         for name in outputs:
