@@ -107,7 +107,7 @@ class Engine:
             for key in compiled.anchor_types:
                 # the matcher generated for this anchor type (None: a fan-out, matched at
                 # the tensor the node reads)
-                fast = compiled.fast_by_key.get(key) if compiled.anchors_at_node else None
+                fast = compiled.fast_by_key[key](graph) if compiled.anchors_at_node else None
                 by_anchor.setdefault(key, []).append((rule, compiled, stats, explained, fast))
         candidates = sorted({node_id for key in by_anchor
                              for node_id in graph.by_type.get(key, ())},
@@ -132,7 +132,7 @@ class Engine:
                     if explained:
                         found = None  # _try runs the matcher that says why it missed
                     else:
-                        found = fast(graph, node_id)
+                        found = fast(node_id)
                         if found is None:
                             continue  # most candidates: rejected by the first checks
                 else:  # a fan-out: anchored at the tensor the node reads
@@ -285,17 +285,18 @@ def _rewrite_single(model: Model, graph: Graph, rule: Rule, m: Match, expr: OpEx
     domain = expr.domain or STANDARD_DOMAIN
     if domain == "ai.onnx":
         domain = STANDARD_DOMAIN
-    base = graph.order[root]
-    order = base + (0,)
-    _check_inputs(model, graph, inputs, order, root)
+    template = _node_template(expr.op_type, expr.domain, expr.attrs)
+    if root in graph.subgraph_owners or has_subgraphs(template, domain, expr.op_type):
+        return None  # subgraphs are indexed with their free variables: the general path
+    # the new node takes the root's place: everything it reads must come before that
+    _check_inputs(model, graph, inputs, graph.order[root], root)
     # What Rewriter.apply does for such a result, in the same order.
     root_node = graph.nodes[root]
-    template = _node_template(expr.op_type, expr.domain, expr.attrs)
     name = model.names.fresh(_name_hint(root_node.name or rule.name, expr.op_type))
     attributes = None if type(root_node) is PendingNode else root_node.attribute
     sticky = [attr for attr in attributes if attr.name in STICKY_ATTRIBUTES] \
         if attributes else None
-    if domain == STANDARD_DOMAIN or sticky or has_subgraphs(template, domain, expr.op_type):
+    if domain == STANDARD_DOMAIN or sticky:
         node = graph.new_node(template)
         node.name = name
         node.input.extend(inputs)
@@ -307,12 +308,11 @@ def _rewrite_single(model: Model, graph: Graph, rule: Rule, m: Match, expr: OpEx
     else:  # nothing reads the proto of such a node before the model is written
         node = PendingNode(template, name, inputs, outputs)
     removed_inputs = graph.node_inputs[root]
-    graph.remove_node(root)
-    new_id = graph.add_node(node, order, (inputs, outputs), (domain, expr.op_type))
+    graph.replace_node(root, node, inputs, (domain, expr.op_type))
     dead = graph.remove_dead(removed_inputs)
     if expr.domain:
         model.ensure_opset(expr.domain, 1)
-    return _neighbourhood(graph, (new_id,), (*dead, *removed_inputs))
+    return _neighbourhood(graph, (root,), (*dead, *removed_inputs))
 
 
 def _check_inputs(model: Model, graph: Graph, inputs, order: tuple, replaced: int) -> None:

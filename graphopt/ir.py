@@ -464,6 +464,48 @@ class Graph:
             self.journal.append((self._unindex, node_id))
         return node_id
 
+    def replace_node(self, node_id: int, node: onnx.NodeProto | PendingNode,
+                     inputs: tuple[str, ...], key: tuple[str, str]) -> None:
+        """Put ``node`` (reading ``inputs``, with op key ``key``) in the place of node
+        ``node_id``: same id, same order, same outputs, so only what differs is
+        re-indexed. Neither node may have subgraphs."""
+        proto = node.template if type(node) is PendingNode else node
+        if node_id in self.subgraph_owners or has_subgraphs(proto, *key):
+            raise ValueError("replace_node: a node with subgraphs is removed and added instead")
+        old = self.nodes[node_id], self.node_inputs[node_id], self.op_keys[node_id]
+        self._swap(node_id, node, inputs, key)
+        self.changed = True
+        if self.journal is not None:
+            self.journal.append((self._swap, node_id, *old))
+
+    def _swap(self, node_id: int, node, inputs: tuple[str, ...], key: tuple[str, str]) -> None:
+        self.nodes[node_id] = node
+        old_key = self.op_keys[node_id]
+        if key != old_key:
+            self.by_type[old_key].pop(node_id)
+            by_type = self.by_type.get(key)
+            if by_type is None:
+                by_type = self.by_type[key] = {}
+            by_type[node_id] = None
+            self.op_keys[node_id] = key
+        old_inputs = self.node_inputs[node_id]
+        if inputs != old_inputs:
+            consumers = self.consumers
+            for name in old_inputs:
+                if name and name not in inputs:
+                    users = consumers[name]
+                    users.pop(node_id, None)
+                    if not users:
+                        del consumers[name]
+            for name in inputs:
+                if name and name not in old_inputs:
+                    users = consumers.get(name)
+                    if users is None:
+                        consumers[name] = {node_id: None}
+                    else:
+                        users[node_id] = None
+            self.node_inputs[node_id] = inputs
+
     def remove_node(self, node_id: int) -> None:
         order = self.order[node_id]
         node = self._unindex(node_id)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import collections
-import re
 from collections.abc import Callable
 
 import numpy as np
@@ -479,39 +478,41 @@ def _generatable(pattern: OpExpr) -> bool:
 
 
 def compile_fast(alternatives: list[tuple[OpExpr, Callable]]):
-    """One function ``fast(graph, node_id)`` for the alternatives anchored at one op type,
-    tried in order: the Match of the first that matches, or None.
+    """For the alternatives anchored at one op type, ``bind(graph)``: a function
+    ``fast(node_id)`` trying them in order at a node of ``graph``, giving the Match of the
+    first that matches, or None. (Binding to one graph makes its index dicts closure
+    variables: the matcher runs at every candidate and would otherwise look them up on
+    the graph at each call.)
     ``alternatives``: (pattern, fallback) pairs; an alternative the generator does not
     cover (a name bound with two kinds) runs ``fallback(graph, node_id)`` instead."""
     emitter = _Emitter()
     emit = emitter.emit
     for pattern, fallback in alternatives:
         if _generatable(pattern):
-            emitter.alternative(pattern, 1)
+            emitter.alternative(pattern, 2)
         else:
             found = emitter.fresh("found")
-            emit(1, f"{found} = {emitter.const(fallback)}(graph, nid)")
-            emit(1, f"if {found} is not None: return {found}")
-    emit(1, "return None")
+            emit(2, f"{found} = {emitter.const(fallback)}(graph, nid)")
+            emit(2, f"if {found} is not None: return {found}")
+    emit(2, "return None")
     body = "\n".join(emitter.lines)
-    prologue = ["def fast(graph, nid):"] + [
-        f"    {name} = {value}" for name, value in _PROLOGUE if re.search(rf"\b{name}\b", body)]
-    if re.search(r"\bins\b", body):
-        prologue.append("    ins = graph.node_inputs[nid]")
-    source = "\n".join(prologue) + "\n" + body
+    lines = ["def bind(graph):", *(f"    {name} = {value}" for name, value in _PROLOGUE),
+             "    def fast(nid):", "        ins = node_inputs[nid]"]
+    source = "\n".join(lines) + "\n" + body + "\n    return fast"
     namespace = emitter.namespace
     exec(compile(source, "<graphopt matcher>", "exec"), namespace)
-    fast = namespace["fast"]
-    fast.source = source
-    return fast
+    bind = namespace["bind"]
+    bind.source = source
+    return bind
 
 
 class CompiledPattern:
     """What the engine drives: anchor op types and two ways to match at an anchor.
 
     ``match(graph, anchor)`` returns (bindings, roots) or a Miss saying why not (for
-    --explain and fan-out rules). ``fast_by_key[op key](graph, node)`` is the generated
-    matcher the engine runs otherwise: a Match or None, with no Miss built."""
+    --explain and fan-out rules). ``fast_by_key[op key](graph)`` binds the generated
+    matcher the engine runs otherwise to a graph: ``fast(node)``, a Match or None, with no
+    Miss built."""
 
     def __init__(self, pattern: Expr | FanOut | OneOf):
         self.pattern = pattern

@@ -1,22 +1,24 @@
 """MatMul/FusedMatMul whose input is a Transpose FusedMatMul can express -> FusedMatMul with
 transA/transB/transBatchA/transBatchB; the Transpose stays only if something else reads it."""
-from graphopt.dsl import Rule, is_float, one_of, op, var
+from graphopt.dsl import Rule, attr, is_float, one_of, op, var
 
 from ._fused_matmul import absorb_flags, fused_attrs
 
 a, b = var("a"), var("b")
+NO_PERM = ()  # a Transpose without perm reverses all dims
 
 
-def _transposed(x, name):
-    return op.Transpose(x, _name=name)
+def _transposed(x, side):
+    """A Transpose feeding input ``side`` (A or B); its perm is bound as perm_A / perm_B."""
+    return op.Transpose(x, perm=attr(f"perm_{side}", NO_PERM))
 
 
-def _absorb(attrs, transpose, trans, batch):
-    """Folds ``transpose`` into the flags ``attrs[trans]``, ``attrs[batch]``; a reason if
-    FusedMatMul cannot express it."""
-    perm = transpose.attr("perm")
-    if perm is None:
+def _absorb(attrs, perm, side):
+    """Folds Transpose(perm) on input ``side`` into the flags trans<side> and
+    transBatch<side>; a reason if FusedMatMul cannot express it."""
+    if perm is NO_PERM:
         return "Transpose has no perm (reverses all dims; rank unknown)"
+    trans, batch = f"trans{side}", f"transBatch{side}"
     flags = absorb_flags(tuple(perm), attrs[trans], attrs[batch])
     if flags is None:
         return f"Transpose perm {list(perm)} is not expressible by FusedMatMul flags"
@@ -26,13 +28,13 @@ def _absorb(attrs, transpose, trans, batch):
 
 def fuse(m):
     attrs = fused_attrs(m.base)
-    ta, tb = m.get("ta"), m.get("tb")
-    if ta is not None:
-        reason = _absorb(attrs, ta, "transA", "transBatchA")
+    perm_a, perm_b = m.get("perm_A"), m.get("perm_B")
+    if perm_a is not None:
+        reason = _absorb(attrs, perm_a, "A")
         if reason is not None:
             return reason
-    if tb is not None:
-        reason = _absorb(attrs, tb, "transB", "transBatchB")
+    if perm_b is not None:
+        reason = _absorb(attrs, perm_b, "B")
         if reason is not None:
             return reason
     if attrs["transBatchA"] or attrs["transBatchB"]:
@@ -44,7 +46,7 @@ def fuse(m):
             shown = ", ".join("unknown" if r is None else str(r) for r in ranks)
             return (f"transBatch needs both inputs of the same rank >= 3 (ranks {shown}); "
                     "onnxruntime rejects anything else")
-    if attrs["transA"] and ta is not None:
+    if attrs["transA"] and perm_a is not None:
         # onnxruntime's CPU FusedMatMul computes wrong values for transA=1 with a rank-1 B
         # (found by tests/robustness: MatMul(Transpose(a), b[k]) came out different).
         # (An unknown rank is let through: after a YieldOp shapes are often unknown, and
@@ -61,10 +63,10 @@ RULE = Rule(
     level=2,
     tags=("fusion", "com.microsoft"),
     match=one_of(
-        op.MatMul(_transposed(a, "ta"), b, _name="base"),
-        op.MatMul(a, _transposed(b, "tb"), _name="base"),
-        op.ms.FusedMatMul(_transposed(a, "ta"), b, _name="base"),
-        op.ms.FusedMatMul(a, _transposed(b, "tb"), _name="base"),
+        op.MatMul(_transposed(a, "A"), b, _name="base"),
+        op.MatMul(a, _transposed(b, "B"), _name="base"),
+        op.ms.FusedMatMul(_transposed(a, "A"), b, _name="base"),
+        op.ms.FusedMatMul(a, _transposed(b, "B"), _name="base"),
     ),
     where=[is_float("b", "a", reason="FusedMatMul needs float inputs")],
     rewrite=fuse,

@@ -150,3 +150,26 @@ def test_only_nodes_without_annotations_or_inference_stay_pending(op_type):
     else:
         assert set(kinds) == {"PendingNode", "NodeProto"}
         assert kinds["NodeProto"].attribute[-1].name == "__backwardpass"
+
+
+def test_a_custom_domain_node_replaces_its_root_in_place():
+    """A node of a domain graphopt knows nothing of (its subgraphs are found from its
+    attributes) takes the root's place and id; the model keeps the root's position."""
+    x = var("x")
+    rule = Rule(name="test_to_custom", description="test", match=op.Sigmoid(x),
+                rewrite=lambda m: op.domain("test.custom").Swish(m.x, beta=1.0))
+    proto = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[3] x) => (float[3] z) {
+          y = Sigmoid(x)
+          z = Relu(y)
+        }""")
+    model = modelio.load(proto)
+    sigmoid = model.graph.nodes_of_type("Sigmoid")[0]
+    Engine([rule]).run(model, Report())
+    assert model.graph.op_keys[sigmoid] == ("test.custom", "Swish")
+    assert type(model.graph.nodes[sigmoid]) is PendingNode
+    out = model.flush()
+    assert [(n.domain, n.op_type) for n in out.graph.node] == [("test.custom", "Swish"),
+                                                                ("", "Relu")]
+    assert {o.domain for o in out.opset_import} == {"", "test.custom"}

@@ -187,6 +187,19 @@ def test_non_expressible_perm_is_not_fused(perm):
     assert_declined(model, RULE, f"Transpose perm {perm} is not expressible by FusedMatMul flags")
 
 
+@pytest.mark.parametrize("side", ["a", "b"])
+def test_transpose_without_perm_is_not_fused(side):
+    """A Transpose without perm reverses all dims: the rule declines it rather than work
+    out the rank."""
+    model = model_from_text(f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,4] a, float[4,4] b) => (float[4,4] y) {{
+          t = Transpose ({side})
+          y = MatMul({"t, b" if side == "a" else "a, t"})
+        }}""")
+    assert_declined(model, RULE, "Transpose has no perm")
+
+
 def test_attention_perm_0213_is_not_fused():
     model = model_from_text("""
         <ir_version: 8, opset_import: ["" : 17]>
