@@ -21,7 +21,16 @@ from onnx import numpy_helper
 
 from .dsl import NewConstant, OpExpr, OpOutput, Pass, Rule
 from .errors import GraphoptError, RewriteRejected
-from .ir import MS_DOMAIN, STANDARD_DOMAIN, Graph, Model, PendingNode, get_attr, has_subgraphs
+from .ir import (
+    MS_DOMAIN,
+    STANDARD_DOMAIN,
+    Graph,
+    Model,
+    PendingNode,
+    get_attr,
+    has_subgraphs,
+    node_template,
+)
 from .match import CompiledPattern, Match, Miss, TensorView
 from .report import Report
 
@@ -285,18 +294,27 @@ def _rewrite_single(model: Model, graph: Graph, rule: Rule, m: Match, expr: OpEx
     domain = expr.domain or STANDARD_DOMAIN
     if domain == "ai.onnx":
         domain = STANDARD_DOMAIN
-    template = _node_template(expr.op_type, expr.domain, expr.attrs)
-    if root in graph.subgraph_owners or has_subgraphs(template, domain, expr.op_type):
+    op_type = expr.op_type
+    root_node = graph.nodes[root]
+    attributes = None if type(root_node) is PendingNode else root_node.attribute
+    sticky = [attr for attr in attributes if attr.name in STICKY_ATTRIBUTES] \
+        if attributes else None
+    # A standard-domain node is built for per-node inference, one inheriting annotations
+    # to carry them; any other stays pending: nothing reads its proto before the model is
+    # written.
+    build = domain == STANDARD_DOMAIN or sticky
+    if build:
+        template = node_template(op_type, expr.domain, expr.attrs)
+    else:
+        node = PendingNode(op_type, expr.domain, expr.attrs, "", inputs, outputs)
+    if root in graph.subgraph_owners or has_subgraphs(template if build else node, domain,
+                                                      op_type):
         return None  # subgraphs are indexed with their free variables: the general path
     # the new node takes the root's place: everything it reads must come before that
     _check_inputs(model, graph, inputs, graph.order[root], root)
     # What Rewriter.apply does for such a result, in the same order.
-    root_node = graph.nodes[root]
-    name = model.names.fresh(_name_hint(root_node.name or rule.name, expr.op_type))
-    attributes = None if type(root_node) is PendingNode else root_node.attribute
-    sticky = [attr for attr in attributes if attr.name in STICKY_ATTRIBUTES] \
-        if attributes else None
-    if domain == STANDARD_DOMAIN or sticky:
+    name = model.names.fresh(_name_hint(root_node.name or rule.name, op_type))
+    if build:
         node = graph.new_node(template)
         node.name = name
         node.input.extend(inputs)
@@ -305,10 +323,10 @@ def _rewrite_single(model: Model, graph: Graph, rule: Rule, m: Match, expr: OpEx
             _infer(graph, node, model.opset(STANDARD_DOMAIN) or 1)
         if sticky:
             node.attribute.extend(sticky)
-    else:  # nothing reads the proto of such a node before the model is written
-        node = PendingNode(template, name, inputs, outputs)
+    else:
+        node.name = name
     removed_inputs = graph.node_inputs[root]
-    graph.replace_node(root, node, inputs, (domain, expr.op_type))
+    graph.replace_node(root, node, inputs, (domain, op_type))
     dead = graph.remove_dead(removed_inputs)
     if expr.domain:
         model.ensure_opset(expr.domain, 1)
@@ -502,7 +520,7 @@ class Rewriter:
             keep_names = self.keep_names
             outputs = [keep_names.get((key, i)) or names.fresh(f"{name}_output_{i}")
                        for i in range(expr.n_outputs)]
-            node = self.graph.new_node(_node_template(expr.op_type, expr.domain, expr.attrs))
+            node = self.graph.new_node(node_template(expr.op_type, expr.domain, expr.attrs))
             node.name = name
             node.input.extend(inputs)
             node.output.extend(outputs)
@@ -568,40 +586,6 @@ def _output_key(expr) -> tuple[int, int] | None:
     if isinstance(expr, OpOutput):
         return id(expr.op), expr.index
     return None
-
-
-_TEMPLATES: dict = {}
-
-
-def _node_template(op_type: str, domain: str, attrs: dict) -> onnx.NodeProto:
-    """A node with these attributes and no name or edges; rules create the same kinds of
-    node over and over, and copying a template is several times cheaper than building."""
-    try:  # types in the key: 1, 1.0 and True are equal but make different attributes
-        key = (op_type, domain, *attrs.items(), *map(type, attrs.values()))
-        template = _TEMPLATES.get(key)
-    except TypeError:  # a list (ints, floats, strings) or an unhashable value
-        key, template = _list_template_key(op_type, domain, attrs), None
-        if key is not None:
-            template = _TEMPLATES.get(key)
-    if template is None:
-        template = onnx.helper.make_node(op_type, [], [], domain=domain or None,
-                                         **{k: v for k, v in attrs.items() if v is not None})
-        if key is not None and len(_TEMPLATES) < 4096:
-            _TEMPLATES[key] = template
-    return template
-
-
-def _list_template_key(op_type: str, domain: str, attrs: dict):
-    """A key for attributes with list values (as tuples), or None if still unhashable
-    (tensors, graphs: no caching). Three items long where a plain key has an even
-    length, so the two never meet."""
-    key = (op_type, domain, tuple((k, tuple(v) if isinstance(v, list) else v, type(v))
-                                  for k, v in attrs.items()))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
 
 
 def _compatible(old: onnx.TypeProto, new: onnx.TypeProto) -> bool:

@@ -80,6 +80,8 @@ def has_subgraphs(node: onnx.NodeProto, domain: str | None = None,
     known = _OPS_WITH_SUBGRAPHS.get(domain)
     if known is not None:
         return op_type in known
+    if type(node) is PendingNode:
+        node = node.template
     return any(a.type in _GRAPH_ATTRIBUTE_TYPES for a in node.attribute)
 
 
@@ -189,31 +191,66 @@ def _collect_value_info(graph: onnx.GraphProto, found: dict) -> None:
             _collect_value_info(sub, found)
 
 
+_TEMPLATES: dict = {}
+
+
+def node_template(op_type: str, domain: str, attrs: dict) -> onnx.NodeProto:
+    """A node with these attributes and no name or edges; rules create the same kinds of
+    node over and over, and copying a template is several times cheaper than building."""
+    try:  # types in the key: 1, 1.0 and True are equal but make different attributes
+        key = (op_type, domain, *attrs.items(), *map(type, attrs.values()))
+        template = _TEMPLATES.get(key)
+    except TypeError:  # a list (ints, floats, strings) or an unhashable value
+        key, template = _list_template_key(op_type, domain, attrs), None
+        if key is not None:
+            template = _TEMPLATES.get(key)
+    if template is None:
+        template = onnx.helper.make_node(op_type, [], [], domain=domain or None,
+                                         **{k: v for k, v in attrs.items() if v is not None})
+        if key is not None and len(_TEMPLATES) < 4096:
+            _TEMPLATES[key] = template
+    return template
+
+
+def _list_template_key(op_type: str, domain: str, attrs: dict):
+    """A key for attributes with list values (as tuples), or None if still unhashable
+    (tensors, graphs: no caching). Three items long where a plain key has an even
+    length, so the two never meet."""
+    key = (op_type, domain, tuple((k, tuple(v) if isinstance(v, list) else v, type(v))
+                                  for k, v in attrs.items()))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 class PendingNode:
-    """A node a rewrite created, held as its template (op type, domain, attributes), name
-    and edges until something needs its NodeProto.
+    """A node a rewrite created, held as the rewrite described it (op type, domain,
+    attributes, name, edges) until something needs its NodeProto.
 
     Building a proto (an allocation, a copy of every attribute, string fields) costs as much
     as the rest of a typical rewrite, and most new nodes are next read when the model is
     written out, where Graph.flush builds them straight into the output. A pending node
     answers the fields rules and labels read most (name, op_type, domain, input, output);
-    everything else goes through ``Graph.node(node_id)``, which builds the proto then. Only
-    nodes without subgraphs or per-node annotations are kept pending, so the template holds
-    every attribute the node has."""
+    Graph.attr reads its attributes from its template, and everything else goes through
+    ``Graph.node(node_id)``, which builds the proto then. Only nodes without subgraphs or
+    per-node annotations are kept pending, so ``attrs`` is every attribute the node has."""
 
-    __slots__ = ("template", "name", "input", "output")
+    __slots__ = ("op_type", "domain", "attrs", "name", "input", "output", "_template")
 
-    def __init__(self, template: onnx.NodeProto, name: str, inputs: tuple[str, ...],
-                 outputs: tuple[str, ...]):
-        self.template, self.name, self.input, self.output = template, name, inputs, outputs
-
-    @property
-    def op_type(self) -> str:
-        return self.template.op_type
+    def __init__(self, op_type: str, domain: str, attrs: dict, name: str,
+                 inputs: tuple[str, ...], outputs: tuple[str, ...]):
+        self.op_type, self.domain, self.attrs = op_type, domain, attrs
+        self.name, self.input, self.output = name, inputs, outputs
+        self._template = None
 
     @property
-    def domain(self) -> str:
-        return self.template.domain
+    def template(self) -> onnx.NodeProto:
+        """The node without name and edges (shared by nodes with the same attributes)."""
+        if self._template is None:
+            self._template = node_template(self.op_type, self.domain, self.attrs)
+        return self._template
 
     def write(self, node: onnx.NodeProto) -> onnx.NodeProto:
         """Fill the empty ``node`` with this node's contents."""
@@ -469,8 +506,7 @@ class Graph:
         """Put ``node`` (reading ``inputs``, with op key ``key``) in the place of node
         ``node_id``: same id, same order, same outputs, so only what differs is
         re-indexed. Neither node may have subgraphs."""
-        proto = node.template if type(node) is PendingNode else node
-        if node_id in self.subgraph_owners or has_subgraphs(proto, *key):
+        if node_id in self.subgraph_owners or has_subgraphs(node, *key):
             raise ValueError("replace_node: a node with subgraphs is removed and added instead")
         old = self.nodes[node_id], self.node_inputs[node_id], self.op_keys[node_id]
         self._swap(node_id, node, inputs, key)
