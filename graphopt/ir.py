@@ -508,15 +508,12 @@ class Graph:
         re-indexed. Neither node may have subgraphs."""
         if node_id in self.subgraph_owners or has_subgraphs(node, *key):
             raise ValueError("replace_node: a node with subgraphs is removed and added instead")
-        old = self.nodes[node_id], self.node_inputs[node_id], self.op_keys[node_id]
-        self._swap(node_id, node, inputs, key)
+        old_key, old_inputs = self.op_keys[node_id], self.node_inputs[node_id]
         self.changed = True
-        if self.journal is not None:
-            self.journal.append((self._swap, node_id, *old))
-
-    def _swap(self, node_id: int, node, inputs: tuple[str, ...], key: tuple[str, str]) -> None:
+        if self.journal is not None:  # (rollback runs without a journal: no re-recording)
+            self.journal.append((self.replace_node, node_id, self.nodes[node_id], old_inputs,
+                                 old_key))
         self.nodes[node_id] = node
-        old_key = self.op_keys[node_id]
         if key != old_key:
             self.by_type[old_key].pop(node_id)
             by_type = self.by_type.get(key)
@@ -524,7 +521,6 @@ class Graph:
                 by_type = self.by_type[key] = {}
             by_type[node_id] = None
             self.op_keys[node_id] = key
-        old_inputs = self.node_inputs[node_id]
         if inputs != old_inputs:
             consumers = self.consumers
             for name in old_inputs:

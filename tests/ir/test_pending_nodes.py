@@ -173,3 +173,23 @@ def test_a_custom_domain_node_replaces_its_root_in_place():
     assert [(n.domain, n.op_type) for n in out.graph.node] == [("test.custom", "Swish"),
                                                                 ("", "Relu")]
     assert {o.domain for o in out.opset_import} == {"", "test.custom"}
+
+
+def test_replacing_a_node_in_place_rolls_back():
+    model = modelio.load(CHAIN)
+    graph = model.graph
+    matmul = graph.nodes_of_type("MatMul")[0]
+    indexes = lambda: (dict(graph.op_keys), dict(graph.node_inputs),  # noqa: E731
+                       {k: dict(v) for k, v in graph.consumers.items()},
+                       {k: dict(v) for k, v in graph.by_type.items() if v})
+    before, proto_before = indexes(), model.flush().SerializeToString()
+    graph.begin()
+    graph.replace_node(matmul, PendingNode("FusedMatMul", "com.microsoft", {"transB": 1},
+                                           "fused", ("a", "w"), ("m",)),
+                       ("a", "w"), ("com.microsoft", "FusedMatMul"))
+    assert matmul in graph.consumers_of("w") and "wt" not in graph.consumers
+    assert graph.nodes_of_type("FusedMatMul", "com.microsoft") == [matmul]
+    graph.rollback()
+    assert indexes() == before
+    graph.changed = True
+    assert model.flush().SerializeToString() == proto_before
