@@ -1,8 +1,9 @@
 """The in-memory graph the engine rewrites: ONNX protos plus the indexes rules need.
 
-Nodes stay ``NodeProto`` objects (no conversion on load or save, which is what makes a
-40k-node model load, rewrite and save in well under a second); around them the graph keeps
-a (domain, op_type) -> nodes index, tensor -> producer and tensor -> consumers, and an
+Loaded nodes stay ``NodeProto`` objects (no conversion on load or save, which is what makes
+a 40k-node model load, rewrite and save in well under a second); nodes a rewrite creates
+stay PendingNode (what the rewrite said) until their proto is needed. Around them the graph
+keeps a (domain, op_type) -> nodes index, tensor -> producer and tensor -> consumers, and an
 order key per node so new nodes land where the nodes they replace stood. Every mutation goes
 through a few primitives that journal their inverse, so a rewrite can be rolled back.
 onnx-graphsurgeon is available for interop through :meth:`Model.to_graphsurgeon`.
