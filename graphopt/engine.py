@@ -133,8 +133,8 @@ class Engine:
             if key is None:
                 continue  # removed by an earlier rewrite
             for rule, compiled, rule_stats, explained, fast in by_anchor[key]:
-                if node_id not in op_keys:
-                    break
+                if op_keys.get(node_id) != key:
+                    break  # removed, or replaced in place by another op: revisited as such
                 if fast is not None:
                     anchor = node_id
                     rule_stats.candidates += 1
@@ -266,9 +266,10 @@ def _validate_model(model: Model) -> None:
 
 def _rewrite_single(model: Model, graph: Graph, rule: Rule, m: Match, expr: OpExpr):
     """Rewriter.apply for the commonest result, straight-line: one new node from matched
-    tensors replacing the single-output root and taking its output's name. Everything is
-    checked before the graph changes (RewriteRejected leaves it as it was), so no journal is
-    kept. Returns the nodes to revisit, or None (nothing changed) for any other result."""
+    tensors taking the single-output root's place (its id, order and output), so only what
+    differs is re-indexed; the model written out is the same as Rewriter.apply's. Everything
+    is checked before the graph changes (RewriteRejected leaves it as it was), so no journal
+    is kept. Returns the nodes to revisit, or None (nothing changed) for any other result."""
     roots = m.roots
     if len(roots) != 1 or expr.n_outputs != 1:
         return None
@@ -312,7 +313,7 @@ def _rewrite_single(model: Model, graph: Graph, rule: Rule, m: Match, expr: OpEx
         return None  # subgraphs are indexed with their free variables: the general path
     # the new node takes the root's place: everything it reads must come before that
     _check_inputs(model, graph, inputs, graph.order[root], root)
-    # What Rewriter.apply does for such a result, in the same order.
+    # names are taken in the order Rewriter.apply takes them
     name = model.names.fresh(_name_hint(root_node.name or rule.name, op_type))
     if build:
         node = graph.new_node(template)

@@ -193,3 +193,23 @@ def test_replacing_a_node_in_place_rolls_back():
     assert indexes() == before
     graph.changed = True
     assert model.flush().SerializeToString() == proto_before
+
+
+def test_rules_after_an_in_place_rewrite_do_not_see_the_new_node_as_the_old_op():
+    """Two rules anchored at Sigmoid: once the first has put another op in the node's
+    place (same id), the second must not match the node as a Sigmoid."""
+    x = var("x")
+    to_custom = Rule(name="test_sigmoid_to_custom", description="test", match=op.Sigmoid(x),
+                     rewrite=lambda m: op.domain("test.custom").Swish(m.x))
+    to_relu = Rule(name="test_sigmoid_to_relu", description="test", match=op.Sigmoid(x),
+                   rewrite=lambda m: op.Relu(m.x))
+    proto = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[3] x) => (float[3] y) {
+          y = Sigmoid(x)
+        }""")
+    model = modelio.load(proto)
+    report = Report()
+    Engine([to_custom, to_relu]).run(model, report)
+    assert [n.op_type for n in model.flush().graph.node] == ["Swish"]
+    assert report.rules["test_sigmoid_to_relu"].rewrites == 0
