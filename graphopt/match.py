@@ -228,7 +228,8 @@ def _compile_input(pattern) -> Callable[[Graph, str, Bindings], Miss | None]:
             producer = graph.producer.get(tensor)
             if producer is None:
                 return Miss("'{}' is not produced by a {} node", tensor, op_pattern.op_type)
-            if graph.node_outputs[producer][output_index] != tensor:
+            outputs = graph.node_outputs[producer]
+            if len(outputs) <= output_index or outputs[output_index] != tensor:
                 return Miss("'{}' is not output {} of {}", tensor, output_index,
                             _node_label(graph, producer))
             return inner(graph, producer, b)
@@ -463,7 +464,13 @@ class _Emitter:
         if path not in self.prechecked:
             self.emit(indent, f"{producer} = producer_get({tensor})")
             self.emit(indent, f"if {producer} is None: break")
-        self.emit(indent, f"if node_outputs[{producer}][{output_index}] != {tensor}: break")
+        if output_index:  # (output 0 exists: the producer produces the tensor)
+            outputs = self.fresh("outs")
+            self.emit(indent, f"{outputs} = node_outputs[{producer}]")
+            self.emit(indent, f"if len({outputs}) <= {output_index} or "
+                              f"{outputs}[{output_index}] != {tensor}: break")
+        else:
+            self.emit(indent, f"if node_outputs[{producer}][0] != {tensor}: break")
         return self._node(op_pattern, path, self.fresh("ins"), indent, bound)
 
 

@@ -290,3 +290,22 @@ def test_opset_gate_skips_rules_for_old_models():
     r = rule("new_only", op.MatMul(a, b), lambda m: seen.append(1), min_opset={"": 18})
     graphopt.optimize(model_from_text(CHAIN), rules=[r])
     assert seen == []
+
+
+@pytest.mark.parametrize("explain", [False, True])
+def test_pattern_on_an_output_the_producer_does_not_have_is_a_miss(explain):
+    """A pattern wanting output 1 of a Split meets a Split with one output: a miss (it
+    used to raise IndexError in both matchers)."""
+    second = rule("second_split_output", op.Relu(op.Split(a, _outputs=2)[1]),
+                  lambda m: op.Sigmoid(m.a))
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        g (float[4] x) => (float[4] y) {
+          s = Split <axis = 0, num_outputs = 1> (x)
+          y = Relu(s)
+        }""")
+    out, report = graphopt.optimize(model, rules=[second],
+                                    explain=["second_split_output"] if explain else ())
+    assert op_types(out) == ["Split", "Relu"]
+    if explain:
+        assert "is not output 1 of Split" in report.format_explain("second_split_output")

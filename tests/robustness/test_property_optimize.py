@@ -11,6 +11,9 @@ import warnings
 import pytest
 from hypothesis import given
 
+import graphopt
+from graphopt.api import select_rules
+
 from .graphs import graphs
 from .oracle import KnownBugHit, check_optimize
 
@@ -26,6 +29,18 @@ def test_optimize_random_graphs(model_and_info):
             check_optimize(model)
         except KnownBugHit:
             pass  # an open bug with its own strict xfail test (test_regressions.py)
+
+
+@given(graphs())
+def test_generated_matchers_rewrite_as_the_explaining_matchers_do(model_and_info):
+    """By default the engine runs matchers generated as Python source; for rules being
+    explained it runs the closure matchers that say why a candidate misses. Both must make
+    the same rewrites: the outputs are byte-identical."""
+    model, _ = model_and_info
+    everything = [rule.name for rule in select_rules(level=2)]
+    generated, _ = graphopt.optimize(model, level=2)
+    explained, _ = graphopt.optimize(model, level=2, explain=everything)
+    assert generated.SerializeToString() == explained.SerializeToString()
 
 
 @pytest.mark.slow
