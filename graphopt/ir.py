@@ -436,8 +436,7 @@ class Graph:
                 else:
                     users[node_id] = None
         known = _OPS_WITH_SUBGRAPHS.get(domain)  # inlined has_subgraphs: this runs per node
-        if (op_type in known) if known is not None else (
-                type(node) is not PendingNode and has_subgraphs(node)):
+        if (op_type in known) if known is not None else has_subgraphs(node):
             self._index_subgraphs(node_id, node)
         return node_id
 
