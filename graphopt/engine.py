@@ -27,7 +27,6 @@ from .ir import (
     Graph,
     Model,
     PendingNode,
-    get_attr,
     has_subgraphs,
     node_template,
 )
@@ -297,9 +296,7 @@ def _rewrite_single(model: Model, graph: Graph, rule: Rule, m: Match, expr: OpEx
         domain = STANDARD_DOMAIN
     op_type = expr.op_type
     root_node = graph.nodes[root]
-    attributes = None if type(root_node) is PendingNode else root_node.attribute
-    sticky = [attr for attr in attributes if attr.name in STICKY_ATTRIBUTES] \
-        if attributes else None
+    sticky = _sticky_attributes(graph, (root,))
     # A standard-domain node is built for per-node inference, one inheriting annotations
     # to carry them; any other stays pending: nothing reads its proto before the model is
     # written.
@@ -312,7 +309,7 @@ def _rewrite_single(model: Model, graph: Graph, rule: Rule, m: Match, expr: OpEx
                                                       op_type):
         return None  # subgraphs are indexed with their free variables: the general path
     # the new node takes the root's place: everything it reads must come before that
-    _check_inputs(model, graph, inputs, graph.order[root], root)
+    _check_inputs(model, graph, inputs, graph.order[root])
     # names are taken in the order Rewriter.apply takes them
     name = model.names.fresh(_name_hint(root_node.name or rule.name, op_type))
     if build:
@@ -334,9 +331,21 @@ def _rewrite_single(model: Model, graph: Graph, rule: Rule, m: Match, expr: OpEx
     return _neighbourhood(graph, (root,), (*dead, *removed_inputs))
 
 
-def _check_inputs(model: Model, graph: Graph, inputs, order: tuple, replaced: int) -> None:
-    """The inputs of a node to be added at ``order`` in place of node ``replaced`` exist
-    and are produced before it."""
+def _sticky_attributes(graph: Graph, roots) -> list[onnx.AttributeProto]:
+    """Sticky attributes of the first root that every other root carries too."""
+    first = graph.nodes[roots[0]]
+    if type(first) is PendingNode:
+        return []  # a pending node carries no annotations (those are built at once)
+    attributes = first.attribute
+    if not attributes:  # the common case, without building a list
+        return []
+    return [attr for attr in attributes if attr.name in STICKY_ATTRIBUTES
+            and all(graph.attr(r, attr.name) is not None for r in roots[1:])]
+
+
+def _check_inputs(model: Model, graph: Graph, inputs, order: tuple) -> None:
+    """The inputs of a node to be put at ``order`` exist and are produced before it (a
+    node replaced in place has that order itself, so its outputs are refused too)."""
     producers, order_of = graph.producer, graph.order
     in_main_graph = graph is model.graph
     for name in inputs:
@@ -344,7 +353,7 @@ def _check_inputs(model: Model, graph: Graph, inputs, order: tuple, replaced: in
             continue
         producer = producers.get(name)
         if producer is not None:
-            if producer == replaced or order_of[producer] >= order:
+            if order_of[producer] >= order:
                 raise RewriteRejected(f"'{name}' would be used before it is produced")
         elif in_main_graph and name not in graph.initializers and name not in graph.input_set:
             raise RewriteRejected(f"'{name}' is not defined in the graph")
@@ -353,7 +362,7 @@ def _check_inputs(model: Model, graph: Graph, inputs, order: tuple, replaced: in
 def _check_new_node(model: Model, graph: Graph, node_id: int) -> None:
     """Local checks of a node a rewrite added: its inputs exist and come before it, and
     standard-domain nodes pass ONNX per-node inference agreeing with known types."""
-    _check_inputs(model, graph, graph.node_inputs[node_id], graph.order[node_id], -1)
+    _check_inputs(model, graph, graph.node_inputs[node_id], graph.order[node_id])
     if graph.op_keys[node_id][0] == STANDARD_DOMAIN:
         _infer(graph, graph.node(node_id), model.opset(STANDARD_DOMAIN) or 1)
 
@@ -421,7 +430,7 @@ class Rewriter:
             if key is not None and key not in keep_names:
                 keep_names[key] = old
         targets = {old: self._value(expr) for old, expr in mapping.items()}
-        sticky = self._sticky_attributes(roots)
+        sticky = _sticky_attributes(self.graph, roots)
         base = graph.order[roots[0]]
         removed_inputs = []
         for root in roots:
@@ -457,15 +466,6 @@ class Rewriter:
                     raise RewriteRejected(f"output '{out}' of {graph.nodes[root].op_type} "
                                           "would be left without a producer")
         return roots
-
-    def _sticky_attributes(self, roots: list[int]) -> list[onnx.AttributeProto]:
-        """Sticky attributes of the first root that every other root carries too."""
-        node = self.graph.node
-        attributes = node(roots[0]).attribute
-        if not attributes:  # the common case, without building a list
-            return []
-        return [attr for attr in attributes if attr.name in STICKY_ATTRIBUTES
-                and all(get_attr(node(r), attr.name) is not None for r in roots[1:])]
 
     def _redirect(self, old: str, new: str) -> None:
         graph = self.graph
