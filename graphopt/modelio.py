@@ -151,7 +151,8 @@ def check_output_path(out: str, source: str | None, in_place: bool) -> None:
     """Refuse before doing any work: a missing folder, or overwriting the input by accident."""
     folder = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(folder):
-        raise GraphoptError(f"{out}: output folder {folder} does not exist")
+        problem = "is a file, not a folder" if os.path.exists(folder) else "does not exist"
+        raise GraphoptError(f"{out}: output folder {folder} {problem}")
     if not os.access(folder, os.W_OK):
         raise GraphoptError(f"{out}: output folder {folder} is not writable")
     if os.path.isdir(out):

@@ -107,6 +107,14 @@ def test_output_folder_missing(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_output_folder_that_is_a_file(tmp_path):
+    blocker = tmp_path / "model.onnx"
+    blocker.write_bytes(b"not a folder")
+    assert_user_error(invoke("optimize", MQA, "-o", blocker / "o.onnx"),
+                      contains="is a file, not a folder")
+    assert os.listdir(tmp_path) == ["model.onnx"]
+
+
 def test_output_folder_not_writable(tmp_path):
     folder = tmp_path / "ro"
     folder.mkdir()
