@@ -75,11 +75,9 @@ def main():
 def optimize(model, output, level, enable, disable, provider, dry_run, report_file, explain,
              in_place):
     """Rewrite MODEL with the built-in (and plugin) rules."""
-    if report_file:
-        modelio.check_output_path(report_file, model, in_place=False)
     report = api.optimize_file(model, output, in_place=in_place, dry_run=dry_run, level=level,
                                enable=list(enable), disable=list(disable), provider=provider,
-                               explain=list(explain))
+                               explain=list(explain), also_writes={"--report": report_file})
     click.echo(report.format_table())
     for name in explain:
         click.echo(report.format_explain(name))

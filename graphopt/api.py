@@ -123,14 +123,25 @@ def _replay_carefully(original: bytes, path, rules, explain, first_error):
 
 
 def optimize_file(source: str, out: str | None, *, in_place: bool = False, dry_run: bool = False,
-                  **options) -> Report:
-    """Load, optimize and atomically save; nothing is written on failure or with dry_run."""
+                  also_writes: dict[str, str | None] | None = None, **options) -> Report:
+    """Load, optimize and atomically save; nothing is written on failure or with dry_run.
+
+    ``also_writes``: other files the caller will write afterwards, by option name (the CLI's
+    ``--report``), refused like the output when they would overwrite an input file or the
+    output."""
     if out is None and not in_place and not dry_run:
         raise GraphoptError("no output: pass -o OUT, --in-place or --dry-run")
     target = source if out is None else out
+    also_writes = {k: v for k, v in (also_writes or {}).items() if v}
     if not dry_run:
         modelio.check_output_path(target, source, in_place)
+    for option, path in also_writes.items():
+        modelio.check_output_path(path, source, what=option)
+    modelio.refuse_same_outputs({**({} if dry_run else {"-o": target}), **also_writes})
     model = modelio.load(source)
+    # now that its external data files are known (and open), none of them may be an output
+    for option, path in [*([] if dry_run else [("output", target)]), *also_writes.items()]:
+        modelio.refuse_input_files(path, model, in_place, what=option)
     explain = options.pop("explain", ())
     _, report = optimize_loaded(model, select_rules(**options), explain=explain)
     if not dry_run:

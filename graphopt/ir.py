@@ -112,11 +112,21 @@ def free_variables(graph: onnx.GraphProto) -> list[str]:
 
 def _graph_tensors(graph: onnx.GraphProto):
     yield from graph.initializer
-    for node in graph.node:
+    for sparse in graph.sparse_initializer:
+        yield sparse.values
+        yield sparse.indices
+    yield from _node_tensors(graph.node)
+
+
+def _node_tensors(nodes):
+    for node in nodes:
         for attr in node.attribute:
             if attr.HasField("t"):
                 yield attr.t
             yield from attr.tensors
+            for sparse in [attr.sparse_tensor, *attr.sparse_tensors]:
+                yield sparse.values
+                yield sparse.indices
             if attr.HasField("g"):
                 yield from _graph_tensors(attr.g)
             for sub in attr.graphs:
@@ -124,9 +134,17 @@ def _graph_tensors(graph: onnx.GraphProto):
 
 
 def external_tensors(proto: onnx.ModelProto) -> list[onnx.TensorProto]:
-    return [t for t in _graph_tensors(proto.graph)
-            if t.data_location == onnx.TensorProto.EXTERNAL]
-
+    """Every tensor whose bytes live in an external file: initializers (dense and sparse) and
+    tensor attributes of the graph, its subgraphs, the model's local functions and its
+    training info, in a fixed order (two copies of one model list them alike)."""
+    def everywhere():
+        yield from _graph_tensors(proto.graph)
+        for function in proto.functions:
+            yield from _node_tensors(function.node)
+        for info in proto.training_info:
+            yield from _graph_tensors(info.initialization)
+            yield from _graph_tensors(info.algorithm)
+    return [t for t in everywhere() if t.data_location == onnx.TensorProto.EXTERNAL]
 
 
 class NameGenerator:
@@ -348,7 +366,9 @@ class Graph:
         if init is not None:
             if tensor in self.input_set or int(np.prod(init.dims)) > max_elements:
                 return None
-            return numpy_helper.to_array(init, self.model.base_dir)
+            if init.data_location == onnx.TensorProto.EXTERNAL:
+                return self.model.external_array(init)
+            return numpy_helper.to_array(init)
         node_id = self.producer.get(tensor)
         if node_id is None:
             return None
@@ -686,6 +706,7 @@ class Model:
         self.path = path
         self._opsets: dict[str, int] | None = None
         self.base_dir = os.path.dirname(os.path.abspath(path)) if path else ""
+        self.external = None  # graphopt.modelio.ExternalFiles once its data files are opened
         self.graph = Graph(proto.graph, self)
         self.names = NameGenerator(_all_names_indexed(self.graph))
         self._subgraphs: dict[int, Graph] = {}
@@ -743,6 +764,13 @@ class Model:
 
     def has_external_data(self) -> bool:
         return bool(external_tensors(self.proto))
+
+    def external_array(self, tensor: onnx.TensorProto) -> np.ndarray:
+        """An external tensor's value, read from the file its load checked and keeps open
+        (never opened again by name: see graphopt.modelio.ExternalFiles)."""
+        from .modelio import external_files
+
+        return external_files(self).array(tensor)
 
     def flush(self) -> onnx.ModelProto:
         for graph in list(self._subgraphs.values()) + [self.graph]:

@@ -9,10 +9,16 @@ import contextlib
 import hashlib
 import os
 import re
+import socket
+import stat
 import tempfile
+import time
+import weakref
 
+import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
+from onnx import numpy_helper
 
 from .errors import GraphoptError
 from .ir import Model
@@ -23,7 +29,11 @@ DIGEST_CHARS = 12
 
 
 def load(source, *, check: bool = True) -> Model:
-    """Load a model from a path or a ModelProto; any problem is a one-line GraphoptError."""
+    """Load a model from a path or a ModelProto; any problem is a one-line GraphoptError.
+
+    A model file and each of its external data files must be regular files; every external
+    data file is opened once, here, checked through the open descriptor, and kept open: the
+    weights are later read (saved, folded, trained) from that descriptor, never by name."""
     if isinstance(source, onnx.ModelProto):
         proto = onnx.ModelProto()
         proto.CopyFrom(source)
@@ -32,14 +42,19 @@ def load(source, *, check: bool = True) -> Model:
         path = os.fspath(source)
         proto = _read_proto(path)
     _check_looks_like_onnx(proto, path)
+    model = Model(proto, path)
     if check:
-        _check_external_data(proto, path)
+        model.external = _check_external_data(proto, path)
         try:
             onnx.checker.check_model(path if _uses_external_data(proto) and path else proto)
         except onnx.checker.ValidationError as exc:
             raise GraphoptError(f"{path or 'model'}: invalid ONNX model: {_first_line(exc)}") \
                 from None
-    return Model(proto, path)
+    return model
+
+
+# A serialized ModelProto cannot be larger (protobuf's limit): bigger weights are external.
+MAX_MODEL_BYTES = (2 << 30) - 1
 
 
 def _read_proto(path: str) -> onnx.ModelProto:
@@ -47,13 +62,18 @@ def _read_proto(path: str) -> onnx.ModelProto:
         raise GraphoptError(f"{path}: no such file")
     if os.path.isdir(path):
         raise GraphoptError(f"{path}: is a directory, not an ONNX file")
+    fd, st = open_regular(path, "model")
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        if st.st_size == 0:
+            raise GraphoptError(f"{path}: empty file, not an ONNX model")
+        if st.st_size > MAX_MODEL_BYTES:
+            raise GraphoptError(f"{path}: {st.st_size} bytes is more than an ONNX protobuf "
+                                "can hold (2 GiB); store the weights as external data")
+        data = _pread_exactly(fd, st.st_size, 0, path)
     except OSError as exc:
         raise GraphoptError(f"{path}: cannot read: {exc.strerror}") from None
-    if not data:
-        raise GraphoptError(f"{path}: empty file, not an ONNX model")
+    finally:
+        os.close(fd)
     proto = onnx.ModelProto()
     try:
         proto.ParseFromString(data)
@@ -61,6 +81,46 @@ def _read_proto(path: str) -> onnx.ModelProto:
         raise GraphoptError(f"{path}: not an ONNX model (protobuf parse failed; truncated?)") \
             from None
     return proto
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def open_regular(path: str, what: str, *, follow: bool = True) -> tuple[int, os.stat_result]:
+    """Open ``path`` for reading without blocking (a FIFO with no writer would block forever)
+    and without following a final symlink unless ``follow``; only a regular file is accepted,
+    judged on the open descriptor (fstat), and its size comes from there too."""
+    flags = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+             | getattr(os, "O_CLOEXEC", 0) | (0 if follow else getattr(os, "O_NOFOLLOW", 0)))
+    try:
+        fd = os.open(path, flags)
+    except ValueError:  # a NUL byte in the name
+        raise GraphoptError(f"{path!r}: not a valid file name") from None
+    except OSError as exc:
+        raise GraphoptError(f"{path}: cannot open the {what}: {exc.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise GraphoptError(f"{path}: the {what} is {_kind(st.st_mode)}, not a regular file")
+    return fd, st
+
+
+def _pread_exactly(fd: int, length: int, offset: int, where: str) -> bytes:
+    parts, remaining = [], length
+    while remaining:
+        chunk = os.pread(fd, min(EXTERNAL_COPY_CHUNK, remaining), offset)
+        if not chunk:
+            raise GraphoptError(f"{where}: the file ended early (changed while it was read?)")
+        parts.append(chunk)
+        offset += len(chunk)
+        remaining -= len(chunk)
+    return b"".join(parts)
 
 
 def _check_looks_like_onnx(proto: onnx.ModelProto, path: str | None) -> None:
@@ -89,34 +149,172 @@ def _external_info(tensor: onnx.TensorProto) -> dict[str, str]:
     return {e.key: e.value for e in tensor.external_data}
 
 
-def _check_external_data(proto: onnx.ModelProto, path: str | None) -> None:
-    """External data must stay inside the model's folder and exist: no path tricks."""
+def _check_external_data(proto: onnx.ModelProto, path: str | None) -> ExternalFiles | None:
+    """External data must stay inside the model's folder, be regular files and hold every
+    tensor's bytes: no path tricks. Returns the files, open, for reading later."""
     tensors = _external_tensors(proto)
     if not tensors:
-        return
+        return None
     if path is None:
         raise GraphoptError("model has external data but was given without a path to find it")
-    base = os.path.realpath(os.path.dirname(os.path.abspath(path)))
-    for tensor in tensors:
+    files = ExternalFiles(path)
+    try:
+        for tensor in tensors:
+            files.check(tensor)
+    except BaseException:
+        files.close()
+        raise
+    return files
+
+
+class ExternalFiles:
+    """The external data files of one model, each opened once and checked on its descriptor.
+
+    A location is refused if it is empty, absolute or leads outside the model's folder (after
+    resolving symlinks and ``..``). The file is then opened without following a final
+    symlink and the open descriptor itself is checked: a regular file whose real path (from
+    the kernel, /proc/self/fd) is inside the folder. Everything read later comes from that
+    descriptor, so a file swapped for a symlink after the check is never read."""
+
+    def __init__(self, model_path: str):
+        self.model_path = model_path
+        self.base = os.path.realpath(os.path.dirname(os.path.abspath(model_path)))
+        self.opened: dict[str, tuple[int, os.stat_result]] = {}  # location -> (fd, fstat)
+        self._finalizer = weakref.finalize(self, _close_all, self.opened)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def stats(self) -> list[tuple[str, os.stat_result]]:
+        return [(location, st) for location, (_, st) in self.opened.items()]
+
+    def _refuse(self, tensor, why: str) -> GraphoptError:
+        return GraphoptError(f"{self.model_path}: tensor '{tensor.name}' {why}")
+
+    def _open(self, tensor: onnx.TensorProto) -> tuple[int, os.stat_result]:
         location = _external_info(tensor).get("location", "")
-        target = os.path.realpath(os.path.join(base, location))
-        if not location or os.path.isabs(location) or os.path.commonpath([base, target]) != base:
-            raise GraphoptError(f"{path}: tensor '{tensor.name}' has external data outside "
-                                f"the model's folder ({location!r})")
-        if not os.path.isfile(target):
-            raise GraphoptError(f"{path}: tensor '{tensor.name}' external data file "
-                                f"{location!r} is missing")
-        offset, length = _external_extent(tensor, path)
-        available = os.path.getsize(target) - offset
+        if location in self.opened:
+            return self.opened[location]
+        if "\0" in location:
+            raise self._refuse(tensor, f"has an invalid external data location {location!r}")
+        target = os.path.realpath(os.path.join(self.base, location))
+        if not location or os.path.isabs(location) or not _inside(target, self.base):
+            raise self._refuse(tensor, "has external data outside the model's folder "
+                                       f"({location!r})")
+        if not os.path.lexists(target):
+            raise self._refuse(tensor, f"external data file {location!r} is missing")
+        fd, st = open_regular(target, f"external data file of tensor '{tensor.name}'",
+                              follow=False)
+        real = _fd_path(fd)
+        if (real is not None and not _inside(real, self.base)) or (
+                real is None and _identity(os.stat(target)) != _identity(st)):
+            os.close(fd)  # swapped between the check and the open
+            raise self._refuse(tensor, "has external data outside the model's folder "
+                                       f"({location!r})")
+        _ensure_fd_room(len(self.opened) + 1)
+        self.opened[location] = (fd, st)
+        return fd, st
+
+    def check(self, tensor: onnx.TensorProto) -> tuple[int, int, int]:
+        """(fd, offset, length) of a tensor's bytes, checked against the file's size."""
+        location = _external_info(tensor).get("location", "")
+        fd, st = self._open(tensor)
+        offset, length = _external_extent(tensor, self.model_path)
         if length is None:
-            length = available
-        if offset + length > os.path.getsize(target):
-            raise GraphoptError(f"{path}: tensor '{tensor.name}' external data runs past the "
-                                f"end of {location!r}")
+            length = max(st.st_size - offset, 0)
+        if offset + length > st.st_size:
+            raise self._refuse(tensor, f"external data runs past the end of {location!r}")
         expected = _byte_size(tensor)
         if expected is not None and expected != length:
-            raise GraphoptError(f"{path}: tensor '{tensor.name}' declares {expected} bytes of "
-                                f"external data but {location!r} holds {length} for it")
+            raise self._refuse(tensor, f"declares {expected} bytes of external data but "
+                                       f"{location!r} holds {length} for it")
+        return fd, offset, length
+
+    def read(self, tensor: onnx.TensorProto) -> bytes:
+        fd, offset, length = self.check(tensor)
+        return _pread_exactly(fd, length, offset, self.model_path)
+
+    def array(self, tensor: onnx.TensorProto) -> np.ndarray:
+        inline = onnx.TensorProto()
+        inline.CopyFrom(tensor)
+        inline.raw_data = self.read(tensor)
+        inline.data_location = onnx.TensorProto.DEFAULT
+        del inline.external_data[:]
+        return numpy_helper.to_array(inline)
+
+    def copy(self, tensor: onnx.TensorProto, dst, digest) -> int:
+        """Append a tensor's bytes to ``dst`` chunk by chunk; returns the length."""
+        fd, offset, length = self.check(tensor)
+        remaining = length
+        while remaining:
+            chunk = os.pread(fd, min(EXTERNAL_COPY_CHUNK, remaining), offset)
+            if not chunk:
+                raise GraphoptError(f"external data for '{tensor.name}' ends early")
+            dst.write(chunk)
+            digest.update(chunk)
+            offset += len(chunk)
+            remaining -= len(chunk)
+        return length
+
+
+def _close_all(opened: dict) -> None:
+    for fd, _ in opened.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    opened.clear()
+
+
+def _inside(path: str, folder: str) -> bool:
+    return os.path.commonpath([folder, path]) == folder
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def _fd_path(fd: int) -> str | None:
+    """The real path of an open file, from the kernel (None where /proc is not there)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+
+
+def _ensure_fd_room(count: int) -> None:
+    """Models stored one file per tensor keep many files open: raise the soft limit."""
+    try:
+        import resource
+    except ImportError:
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or count + 64 < soft:
+        return
+    wanted = hard if hard == resource.RLIM_INFINITY else min(hard, max(2 * soft, count + 256))
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    if count + 16 >= resource.getrlimit(resource.RLIMIT_NOFILE)[0]:
+        raise GraphoptError(f"the model has more external data files ({count}+) than this "
+                            "process may keep open (ulimit -n)")
+
+
+def external_files(model: Model) -> ExternalFiles:
+    """The model's checked, open data files (opened and checked now for a Model built
+    from a proto and a path rather than by :func:`load`)."""
+    if model.external is None:
+        if not model.path:
+            raise GraphoptError("model has external data but was given without a path to "
+                                "find it")
+        model.external = ExternalFiles(model.path)
+    return model.external
+
+
+def load_external_data(model: Model) -> None:
+    """Read every external tensor into the proto (from the checked descriptors)."""
+    files = external_files(model)
+    for tensor in _external_tensors(model.proto):
+        tensor.raw_data = files.read(tensor)
+        tensor.data_location = onnx.TensorProto.DEFAULT
+        del tensor.external_data[:]
 
 
 def _external_extent(tensor: onnx.TensorProto, path: str) -> tuple[int, int | None]:
@@ -147,8 +345,11 @@ def _byte_size(tensor: onnx.TensorProto) -> int | None:
     return count * itemsize
 
 
-def check_output_path(out: str, source: str | None, in_place: bool) -> None:
-    """Refuse before doing any work: a missing folder, or overwriting the input by accident."""
+def check_output_path(out: str, source=None, in_place: bool = False, *,
+                      what: str = "output") -> None:
+    """Refuse before doing any work: a missing folder, or a path that would overwrite one of
+    the input's files. ``source``: the input model (a loaded :class:`Model`, whose external
+    data files are protected too, or a path)."""
     folder = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(folder):
         problem = "is a file, not a folder" if os.path.exists(folder) else "does not exist"
@@ -157,64 +358,251 @@ def check_output_path(out: str, source: str | None, in_place: bool) -> None:
         raise GraphoptError(f"{out}: output folder {folder} is not writable")
     if os.path.isdir(out):
         raise GraphoptError(f"{out}: is a directory")
-    if source and os.path.exists(out) and os.path.samefile(out, source) and not in_place:
-        raise GraphoptError(f"{out}: would overwrite the input; pass --in-place to allow it")
+    refuse_input_files(out, source, in_place, what=what)
+
+
+def input_files(source) -> list[tuple[str, os.stat_result, bool]]:
+    """(name, stat, is the model itself) of every file the input consists of: the model and,
+    for a loaded model, each external data file it references."""
+    found = []
+    path = source.path if isinstance(source, Model) else source
+    if path:
+        with contextlib.suppress(OSError, ValueError):
+            found.append((os.fspath(path), os.stat(path), True))
+    if isinstance(source, Model) and source.external is not None:
+        found += [(location, st, False) for location, st in source.external.stats()]
+    return found
+
+
+def refuse_input_files(out: str, source, in_place: bool = False, *,
+                       what: str = "output") -> None:
+    """``out`` must not be (by symlink, ``..`` or hard link: the same inode) the input model,
+    unless ``in_place``, nor any file the input references."""
+    try:
+        st = os.stat(out)
+    except (OSError, ValueError):
+        return  # nothing there (or a dangling symlink, which a rename replaces harmlessly)
+    for name, input_st, is_model in input_files(source):
+        if _identity(st) != _identity(input_st):
+            continue
+        if not is_model:
+            raise GraphoptError(f"{out}: the {what} would overwrite the input's external "
+                                f"data file {name!r}")
+        if not in_place or what != "output":
+            raise GraphoptError(f"{out}: would overwrite the input; pass --in-place to allow "
+                                "it" if what == "output" else
+                                f"{out}: the {what} would overwrite the input model")
+
+
+def refuse_same_outputs(outputs: dict[str, str | None]) -> None:
+    """Two outputs of one command (``-o`` and ``--report``...) must be different files."""
+    seen: dict[tuple, str] = {}
+    for option, path in outputs.items():
+        if not path:
+            continue
+        keys = [("path", os.path.realpath(path))]
+        with contextlib.suppress(OSError, ValueError):
+            keys.append(("inode", *_identity(os.stat(path))))
+        for key in keys:
+            if key in seen and seen[key] != option:
+                raise GraphoptError(f"{path}: {option} and {seen[key]} are the same file")
+            seen.setdefault(key, option)
 
 
 def save(model: Model, out: str) -> None:
     """Write atomically: temporary files in the output folder, fsync, then rename.
 
-    External data goes to ``<out>.<digest>.data``, named after its content, and is renamed
-    into place before the model: a model file on disk only ever points at a complete data
-    file of its own, even if the save stops half-way. Data files of earlier saves to the same
-    path are removed once the new model is in place."""
+    External data goes to ``<out>.<digest>.data``, named after its content, and is published
+    before the model: a model file on disk only ever points at a complete data file. The
+    publication (data file, then model) happens under a lock on the output folder, so two
+    saves to the same path leave one of the two complete pairs. No file this save did not
+    create is ever deleted: data files of earlier outputs stay (a copy of an earlier output
+    may still use them); a save of the same content reuses its file.
+
+    New files get the permissions the umask gives (like any other tool's); replacing an
+    existing file keeps that file's permissions (``--in-place`` keeps the model's mode)."""
     proto = model.flush()
     folder = os.path.dirname(os.path.abspath(out))
     stem = os.path.basename(out)
+    mode = file_mode_for(out)
+    remove_stale_temporaries(folder, stem)
     external = _external_tensors(proto)
     staged: list[str] = []  # what to delete if the save fails
     try:
-        data_name = None
-        if external:
-            proto, data_tmp, digest = _stage_external_data(proto, external, model.base_dir,
-                                                           folder, stem, staged)
-            data_name = f"{stem}.{digest}.data"
-            for tensor in _external_tensors(proto):
-                _set_external(tensor, location=data_name)
+        if not external:
+            _publish(_write_temp(folder, stem, proto.SerializeToString(), mode, staged), out,
+                     staged)
+            return
+        out_proto = onnx.ModelProto()
+        out_proto.CopyFrom(proto)
+        data_tmp, extents, digest = _stage_external_data(external, external_files(model),
+                                                         folder, stem, mode, staged)
+        size = os.stat(data_tmp).st_size
+        with _folder_lock(folder):
+            data_name, reuse = _data_name(folder, stem, digest, size)
+            for tensor, (offset, length) in zip(_external_tensors(out_proto), extents,
+                                                strict=True):
+                _set_external(tensor, location=data_name, offset=str(offset),
+                              length=str(length))
+            model_tmp = _write_temp(folder, stem, out_proto.SerializeToString(), mode, staged)
             data_path = os.path.join(folder, data_name)
-            already_there = os.path.exists(data_path)  # same content: an earlier save's file
-            os.replace(data_tmp, data_path)
+            if reuse:  # the same bytes are already there, under their name
+                os.unlink(data_tmp)
+            else:
+                os.replace(data_tmp, data_path)
+                staged.append(data_path)  # created by this save: removed if the model fails
             staged.remove(data_tmp)
-            if not already_there:
-                staged.append(data_path)
-        tmp = _temp_in(folder, stem)
-        staged.append(tmp)
-        with open(tmp, "wb") as f:
-            f.write(proto.SerializeToString())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-        staged.clear()
+            _publish(model_tmp, out, staged)
     except BaseException:
         for tmp_path in staged:
             with contextlib.suppress(OSError):
                 os.unlink(tmp_path)
         raise
-    _remove_stale_data_files(folder, stem, keep=data_name)
 
 
-def _remove_stale_data_files(folder: str, stem: str, keep: str | None) -> None:
-    pattern = re.compile(rf"^{re.escape(stem)}\.[0-9a-f]{{{DIGEST_CHARS}}}\.data$")
-    for name in os.listdir(folder):
-        if name != keep and pattern.match(name):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(folder, name))
+def _publish(tmp: str, out: str, staged: list[str]) -> None:
+    os.replace(tmp, out)
+    staged.clear()
+    _fsync_folder(os.path.dirname(os.path.abspath(out)))
 
 
-def _temp_in(folder: str, stem: str) -> str:
-    fd, tmp = tempfile.mkstemp(prefix=f".{stem}.", suffix=".tmp", dir=folder)
-    os.close(fd)
+def _fsync_folder(folder: str) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: str):
+    """An exclusive advisory lock on the output folder while a model and its data file are
+    published (filesystems without flock: no lock, as before)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    fd = None
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
+def _data_name(folder: str, stem: str, digest: str, size: int) -> tuple[str, bool]:
+    """The data file's name and whether a file with exactly these bytes is already there
+    (content-named, same size, a regular file). A different file under the name is kept and
+    another name chosen."""
+    for n in range(1000):
+        name = f"{stem}.{digest}{f'-{n}' if n else ''}.data"
+        try:
+            st = os.lstat(os.path.join(folder, name))
+        except FileNotFoundError:
+            return name, False
+        if stat.S_ISREG(st.st_mode) and st.st_size == size:
+            return name, True
+    raise GraphoptError(f"{folder}: too many data files named {stem}.{digest}*.data")
+
+
+def _umask() -> int:
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)  # elsewhere: read it by setting it (and set it back at once)
+    os.umask(mask)
+    return mask
+
+
+def file_mode_for(out: str) -> int:
+    """The permissions of the file being replaced, else what the umask gives a new file."""
+    try:
+        return stat.S_IMODE(os.stat(out).st_mode) & 0o777
+    except (OSError, ValueError):
+        return 0o666 & ~_umask()
+
+
+# Temporary files: ``.<name>.graphopt-<host>-<pid>-<random>.tmp``, so that a later save can
+# tell the ones of a process that died (SIGKILL, power loss) from those of a live one.
+TEMP_TAG = "graphopt"
+TEMP_SUFFIX = ".tmp"
+STALE_SECONDS = 24 * 3600          # another host's temporary file untouched this long is dead
+LEGACY_STALE_SECONDS = 3600        # temporaries named before the pid was part of the name
+_TEMP_NAME = re.compile(rf"^\..+\.{TEMP_TAG}-(?P<host>[A-Za-z0-9_]+)-(?P<pid>[0-9]+)-"
+                        r"[A-Za-z0-9_]+\.tmp$")
+
+
+def _host_tag() -> str:
+    return "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:32] or "host"
+
+
+def _temp_in(folder: str, stem: str, mode: int | None = None) -> str:
+    fd, tmp = tempfile.mkstemp(prefix=f".{stem}.{TEMP_TAG}-{_host_tag()}-{os.getpid()}-",
+                               suffix=TEMP_SUFFIX, dir=folder)
+    try:
+        os.fchmod(fd, file_mode_for(os.path.join(folder, stem)) if mode is None else mode)
+    finally:
+        os.close(fd)
     return tmp
+
+
+def _write_temp(folder: str, stem: str, data: bytes, mode: int, staged: list[str]) -> str:
+    tmp = _temp_in(folder, stem, mode)
+    staged.append(tmp)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
+
+
+def remove_stale_temporaries(folder: str, stem: str | None = None) -> list[str]:
+    """Remove graphopt's temporary files in ``folder`` left by processes that died: on this
+    host, those whose process is gone; of another host, those untouched for a day; named the
+    old way (no pid: ``.<stem>.XXXXXXXX.tmp``), those of ``stem`` untouched for an hour."""
+    removed = []
+    legacy = re.compile(rf"^\.{re.escape(stem)}(\.data)?\.[a-z0-9_]{{8}}\.tmp$") if stem else None
+    now, me = time.time(), _host_tag()
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith("."):
+            continue
+        path = os.path.join(folder, name)
+        match = _TEMP_NAME.match(name)
+        try:
+            age = now - os.lstat(path).st_mtime
+        except OSError:
+            continue
+        if match:
+            pid = int(match["pid"])
+            dead = (pid != os.getpid() and not _alive(pid)) if match["host"] == me \
+                else age > STALE_SECONDS
+        else:
+            dead = bool(legacy and legacy.match(name)) and age > LEGACY_STALE_SECONDS
+        if dead:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
 
 
 def _set_external(tensor: onnx.TensorProto, **values: str) -> None:
@@ -226,41 +614,24 @@ def _set_external(tensor: onnx.TensorProto, **values: str) -> None:
         entry.key, entry.value = key, value
 
 
-def _stage_external_data(proto, external, base_dir, folder, stem, staged):
-    """Copy every external tensor's bytes, chunk by chunk, into one new temporary data file;
-    returns the rewritten proto, that file and a digest of its content."""
-    out_proto = onnx.ModelProto()
-    out_proto.CopyFrom(proto)
-    tensors = {t.name: t for t in _external_tensors(out_proto)}
-    tmp = _temp_in(folder, stem + ".data")
+def _stage_external_data(external, files: ExternalFiles, folder, stem, mode, staged):
+    """Copy every external tensor's bytes, chunk by chunk, from the input's checked
+    descriptors into one new temporary data file; returns that file, each tensor's
+    (offset, length) in it and a digest of its content."""
+    tmp = _temp_in(folder, stem + ".data", mode)
     staged.append(tmp)
     digest = hashlib.sha256()
+    extents = []
     with open(tmp, "wb") as dst:
         for source_tensor in external:
-            info = _external_info(source_tensor)
-            offset, length = int(info.get("offset", 0)), int(info.get("length", 0))
-            src_path = os.path.join(base_dir, info["location"])
-            if not length:
-                length = os.path.getsize(src_path) - offset
             pad = b"\0" * ((-dst.tell()) % 4096)
             dst.write(pad)
             digest.update(pad)
-            new_offset = dst.tell()
-            with open(src_path, "rb") as src:
-                src.seek(offset)
-                remaining = length
-                while remaining:
-                    chunk = src.read(min(EXTERNAL_COPY_CHUNK, remaining))
-                    if not chunk:
-                        raise GraphoptError(f"external data for '{source_tensor.name}' ends early")
-                    dst.write(chunk)
-                    digest.update(chunk)
-                    remaining -= len(chunk)
-            _set_external(tensors[source_tensor.name], offset=str(new_offset),
-                          length=str(length))
+            offset = dst.tell()
+            extents.append((offset, files.copy(source_tensor, dst, digest)))
         dst.flush()
         os.fsync(dst.fileno())
-    return out_proto, tmp, digest.hexdigest()[:DIGEST_CHARS]
+    return tmp, extents, digest.hexdigest()[:DIGEST_CHARS]
 
 
 def write_text_atomic(path: str, text: str) -> None:

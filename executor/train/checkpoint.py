@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from graphopt.errors import GraphoptError
+from graphopt.modelio import file_mode_for
 
 FILENAME = "checkpoint.npz"
 FORMAT = 1
@@ -80,6 +81,7 @@ def save(directory: str, checkpoint: Checkpoint) -> str:
         os.makedirs(directory, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{_host_tag()}-{os.getpid()}-",
                                    suffix=TEMP_SUFFIX, dir=directory)
+        os.fchmod(fd, file_mode_for(target))  # mkstemp's 0600 would ignore the umask
         with os.fdopen(fd, "wb") as f:
             _write_archive(f, arrays)
             f.flush()

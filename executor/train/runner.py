@@ -84,7 +84,7 @@ DEFAULTS = {"batch_size": 32, "optimizer": "adamw", "lr": 1e-3}
 
 
 def _resolve_source(opts: RunOptions):
-    """(forward model, data arrays or None, example defaults, source path)."""
+    """(forward model, data arrays or None, example defaults, the loaded source Model)."""
     if (opts.model is None) == (opts.example is None):
         raise GraphoptError("give a MODEL or --example NAME (not both)")
     if opts.example is not None:
@@ -98,21 +98,25 @@ def _resolve_source(opts: RunOptions):
     if opts.data is None:
         raise GraphoptError("--data FILE.npz is required to train a model file")
     model = modelio.load(opts.model)  # the same checks as optimize: one-line errors, no escapes
-    proto = model.proto
-    if model.base_dir:  # training needs the weights themselves, wherever they are stored
-        from onnx.external_data_helper import load_external_data_for_model
-
-        load_external_data_for_model(proto, model.base_dir)
-    return proto, load_npz(opts.data), {}, opts.model
+    # training needs the weights themselves: read from the files the load checked
+    modelio.load_external_data(model)
+    return model.proto, load_npz(opts.data), {}, model
 
 
-def _check_outputs(opts: RunOptions, source: str | None) -> None:
-    """Refuse bad output paths before any training happens."""
-    for path in (opts.output, opts.save_graph, opts.plot):
+def _check_outputs(opts: RunOptions, source) -> None:
+    """Refuse bad output paths before any training happens: none may be a file of the input
+    model (its external data included; -o may be the model itself with --in-place), and no
+    two may be the same file."""
+    denormal = opts.denormal_report if opts.denormal_report != "-" else None
+    outputs = {"-o": opts.output, "--save-graph": opts.save_graph, "--plot": opts.plot,
+               "--denormal-report": denormal, "--log": opts.log}
+    for option, path in outputs.items():
         if path:
-            modelio.check_output_path(path, source, opts.overwrite_input)
-    if opts.denormal_report and opts.denormal_report != "-":
-        modelio.check_output_path(opts.denormal_report, source, False)
+            modelio.check_output_path(path, source, opts.overwrite_input and option == "-o",
+                                      what="output" if option == "-o" else option)
+    checkpoint = ckpt.path_in(opts.checkpoint or INTERRUPT_DIR)  # where a Ctrl-C saves too
+    modelio.refuse_input_files(checkpoint, source, what="checkpoint")
+    modelio.refuse_same_outputs({**outputs, "--checkpoint": checkpoint})
     if opts.plot:
         require_matplotlib()
     if opts.resume and not opts.checkpoint:
