@@ -10,6 +10,11 @@ external data escaping their folder point at: a tool that reads it has read outs
 model's folder. ``OUTDIR/manifest.json`` lists the cases: name, model path (relative to
 OUTDIR), what is wrong, and ``escapes`` (true when the case points outside its folder).
 
+A case may also say where the output goes: ``output`` (a path inside its folder, e.g. the
+model's own external data file) instead of a fresh file elsewhere, and ``args`` (per command,
+``optimize`` or ``run``: more options; ``{CASE}`` stands for the case folder, ``{OUT}`` for the
+output path).
+
 Expected of graphopt for every case: exit code 1, one line on stderr starting with
 "graphopt: error:", no traceback, nothing written, nothing read outside the model's folder.
 """
@@ -53,15 +58,47 @@ def _external(location: str, offset: int | str = 0, length: int | str = 64,
     """A model whose weight W lives in external data at ``location``."""
     model = _small_model()
     weight = model.graph.initializer[0]
-    weight.ClearField("raw_data")
-    weight.ClearField("float_data")
     del weight.dims[:]
     weight.dims.extend(dims)
-    weight.data_location = TensorProto.EXTERNAL
+    _make_external(weight, location, offset, length)
+    return model
+
+
+def _make_external(tensor: onnx.TensorProto, location: str, offset: int | str = 0,
+                   length: int | str = 64) -> None:
+    for field in ("raw_data", "float_data", "int64_data"):
+        tensor.ClearField(field)
+    tensor.data_location = TensorProto.EXTERNAL
     for key, value in (("location", location), ("offset", str(offset)),
                        ("length", str(length))):
-        entry = weight.external_data.add()
+        entry = tensor.external_data.add()
         entry.key, entry.value = key, value
+
+
+def _function_external(location: str) -> onnx.ModelProto:
+    """A local function whose Constant [4,4] float value is external data at ``location``."""
+    value = numpy_helper.from_array(np.ones((4, 4), np.float32), "c")
+    _make_external(value, location)
+    function = helper.make_function(
+        "local", "AddC", ["X"], ["Y"], [helper.make_node("Constant", [], ["C"], value=value),
+                                        helper.make_node("MatMul", ["X", "C"], ["Y"])],
+        [helper.make_opsetid("", 17)])
+    model = _small_model([helper.make_node("AddC", ["x"], ["y"], domain="local")],
+                         extra_opsets=[helper.make_opsetid("local", 1)])
+    model.functions.append(function)
+    return model
+
+
+def _sparse_external(location: str) -> onnx.ModelProto:
+    """A [4,4] sparse initializer S whose 16 float values are external data at ``location``."""
+    values = numpy_helper.from_array(np.ones(16, np.float32), "S")
+    _make_external(values, location)
+    sparse = helper.make_sparse_tensor(
+        values, numpy_helper.from_array(np.arange(16, dtype=np.int64), "S_idx"), [4, 4])
+    model = _small_model([helper.make_node("MatMul", ["x", "S"], ["y"])],
+                         inits=[numpy_helper.from_array(np.ones(1, np.float32), "unused")])
+    del model.graph.initializer[:]
+    model.graph.sparse_initializer.append(sparse)
     return model
 
 
@@ -76,7 +113,8 @@ class Corpus:
         return path
 
     def add(self, name: str, what: str, data: bytes | onnx.ModelProto | None = None,
-            escapes: bool = False, extra: dict[str, bytes] | None = None) -> str:
+            escapes: bool = False, extra: dict[str, bytes] | None = None,
+            output: str | None = None, args: dict[str, list[str]] | None = None) -> str:
         folder = self.folder(name)
         model_path = os.path.join(folder, "model.onnx")
         if isinstance(data, onnx.ModelProto):
@@ -87,8 +125,13 @@ class Corpus:
         for rel, content in (extra or {}).items():
             with open(os.path.join(folder, rel), "wb") as f:
                 f.write(content)
-        self.cases.append({"name": name, "model": os.path.relpath(model_path, self.root),
-                           "what": what, "escapes": escapes})
+        case = {"name": name, "model": os.path.relpath(model_path, self.root), "what": what,
+                "escapes": escapes}
+        if output is not None:
+            case["output"] = output
+        if args:
+            case["args"] = args
+        self.cases.append(case)
         return model_path
 
     def write_manifest(self) -> None:
@@ -233,6 +276,47 @@ def make(root: str, truncations: int = 24) -> Corpus:
     path = corpus.add("external_location_is_directory", "external data location is a folder",
                       _external("weights"))
     os.makedirs(os.path.join(os.path.dirname(path), "weights"))
+
+    corpus.add("function_external_escape", "a local function's Constant has external data at "
+               "../outside/secret.bin", _function_external(sentinel_rel), escapes=True)
+    corpus.add("sparse_external_escape", "a sparse initializer's values are external data at "
+               "../outside/secret.bin", _sparse_external(sentinel_rel), escapes=True)
+    corpus.add("function_external_missing", "a local function's Constant has external data in "
+               "a file that does not exist", _function_external("missing.bin"))
+    path = corpus.add("external_data_is_fifo", "external data file w.bin is a FIFO (no writer)",
+                      _external("w.bin"))
+    os.mkfifo(os.path.join(os.path.dirname(path), "w.bin"))
+
+    # ---- outputs onto the input's own files (a valid model: only the output is wrong) ----
+    weights = {"w.bin": np.ones(16, np.float32).tobytes()}
+    corpus.add("output_onto_external_data", "-o is the model's own external data file w.bin",
+               _external("w.bin"), extra=weights, output="w.bin")
+    path = corpus.add("output_onto_external_data_dotdot", "-o sub/../w.bin, the model's own "
+                      "external data file", _external("w.bin"), extra=weights,
+                      output=os.path.join("sub", os.pardir, "w.bin"))
+    os.makedirs(os.path.join(os.path.dirname(path), "sub"))
+    path = corpus.add("output_symlink_to_external_data", "-o link.bin, a symlink to the model's "
+                      "external data file", _external("w.bin"), extra=weights, output="link.bin")
+    os.symlink("w.bin", os.path.join(os.path.dirname(path), "link.bin"))
+    corpus.add("second_output_onto_external_data", "--report (optimize) or --save-graph (run) "
+               "is the model's external data file", _external("w.bin"), extra=weights,
+               args={"optimize": ["--report", os.path.join("{CASE}", "w.bin")],
+                     "run": ["--save-graph", os.path.join("{CASE}", "w.bin")]})
+    corpus.add("second_output_onto_output", "--report (optimize) or --save-graph (run) is the "
+               "-o file", _external("w.bin"), extra=weights,
+               args={"optimize": ["--report", "{OUT}"], "run": ["--save-graph", "{OUT}"]})
+    corpus.add("second_output_onto_model", "--report (optimize) or --save-graph (run) is the "
+               "model itself", _external("w.bin"), extra=weights,
+               args={"optimize": ["--report", os.path.join("{CASE}", "model.onnx")],
+                     "run": ["--save-graph", os.path.join("{CASE}", "model.onnx")]})
+
+    # ---- not a regular file ------------------------------------------------------------
+    path = corpus.add("model_is_fifo", "model.onnx is a FIFO (no writer: reading blocks)")
+    os.mkfifo(path)
+    path = corpus.add("model_is_dev_zero", "model.onnx -> /dev/zero (endless zeros)")
+    os.symlink("/dev/zero", path)
+    path = corpus.add("model_is_dev_urandom", "model.onnx -> /dev/urandom (endless bytes)")
+    os.symlink("/dev/urandom", path)
 
     # ---- not a file ----------------------------------------------------------------
     path = corpus.add("directory_instead_of_file", "model.onnx is a directory")

@@ -1,7 +1,8 @@
 """Hostile inputs (scripts/make_hostile_corpus.py) through the real CLI, in subprocesses.
 
 For every case, `graphopt optimize FILE -o OUT` (and `graphopt run FILE --steps 1`, once the
-command exists) must: exit 1; print exactly one line on stderr, starting with
+command exists; OUT and more options as the case says, e.g. -o onto the model's own data
+file) must: exit 1; print exactly one line on stderr, starting with
 "graphopt: error:"; print no traceback; write nothing (no output, no temporary file, nothing
 in the model's folder or the working directory); and read nothing outside the model's folder
 (a sentinel outside, whose access time is set in the past, must keep it).
@@ -79,7 +80,10 @@ def _run_case(case: dict, argv_tail: list[str], scratch: str) -> dict:
     os.makedirs(out_dir)
     os.makedirs(cwd)
     before = _listing(folder)
-    argv = [a.replace("{OUT}", os.path.join(out_dir, "optimized.onnx")) for a in argv_tail]
+    out = (os.path.join(folder, case["output"]) if "output" in case
+           else os.path.join(out_dir, "optimized.onnx"))
+    argv = [a.replace("{OUT}", out).replace("{CASE}", folder)
+            for a in [*argv_tail, *case.get("args", {}).get(argv_tail[0], [])]]
     proc = subprocess.run([*CLI, argv[0], model, *argv[1:]], capture_output=True, text=True,
                           cwd=cwd, timeout=120)
     return {"rc": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr,
