@@ -13,7 +13,9 @@
    checked like tests/robustness/test_interrupts.py;
 4. `graphopt run --checkpoint-every 1` killed (SIGKILL at random steps and inside checkpoint
    writes, SIGINT at random steps) and resumed again and again, each interruption and each
-   final resumed run checked like tests/robustness/test_run_faults.py.
+   final resumed run checked like tests/robustness/test_run_faults.py;
+5. two `graphopt optimize` runs at once to the same output with external data, round after
+   round (tests/robustness/concurrency.py): the output must always be one complete pair.
 
 Failures are listed; the exit code is 1 if anything failed that is not a known bug.
 """
@@ -107,6 +109,15 @@ def run_kill_points(count: int):
         return run_run_kill_points(tmp, count, seed=13, chain=6)
 
 
+def concurrent(rounds: int):
+    from robustness.concurrency import concurrent_rounds
+
+    with tempfile.TemporaryDirectory(prefix="graphopt-concurrent-") as tmp:
+        start = time.perf_counter()
+        problems = concurrent_rounds(tmp, rounds)
+        return problems, time.perf_counter() - start
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--graphs", type=int, default=2000, help="random graphs to try")
@@ -114,11 +125,14 @@ def main(argv=None) -> int:
                         help="interruptions of `graphopt optimize` to try")
     parser.add_argument("--run-kill-points", type=int, default=36,
                         help="interruptions of `graphopt run` to try")
+    parser.add_argument("--concurrent-rounds", type=int, default=30,
+                        help="rounds of two concurrent `graphopt optimize` to one output")
     parser.add_argument("--seed", type=int, default=None, help="hypothesis seed")
     parser.add_argument("--save-failures", metavar="DIR",
                         help="where to write failing random graphs (default: a temp folder)")
     parser.add_argument("--skip", action="append", default=[],
-                        choices=["graphs", "hostile", "kill", "run-kill"], help="leave a part out")
+                        choices=["graphs", "hostile", "kill", "run-kill", "concurrent"],
+                        help="leave a part out")
     args = parser.parse_args(argv)
     bad = 0
     lines = ["## Reliability (scripts/reliability_report.py)", ""]
@@ -202,6 +216,15 @@ def main(argv=None) -> int:
         for c in chains:
             lines += [f"  - FAILED: resume: {p}" for p in c.problems]
         bad += len(results) - len(clean) + sum(1 for c in chains if c.problems)
+
+    if "concurrent" not in args.skip:
+        problems, took = concurrent(args.concurrent_rounds)
+        lines.append(f"- Concurrent `graphopt optimize` to one output (external data): "
+                     f"{args.concurrent_rounds - len(problems)} of {args.concurrent_rounds} "
+                     f"rounds of two simultaneous runs left a complete model + data pair (the "
+                     f"model of one run with that run's weights); {took:.0f} s")
+        lines += [f"  - FAILED: {p}" for p in problems]
+        bad += len(problems)
 
     print("\n".join(lines))
     return 1 if bad else 0

@@ -9,9 +9,11 @@ After every interruption:
   bytes as an uninterrupted run), with its external data file complete beside it;
 - nothing else visible is in the output folder, except (after SIGKILL only) a complete
   ``<out>.<digest>.data`` file renamed into place just before the model file: it is named
-  after its content, cannot be taken for the model, and the next successful save removes it;
+  after its content and cannot be taken for the model (it is kept: graphopt deletes no file
+  it did not create in the same run; a later save of the same content reuses it);
 - hidden temporary files (``.<out>.*.tmp``) may remain only after SIGKILL (nothing can run
-  on SIGKILL); after SIGINT there are none and the command says it was interrupted.
+  on SIGKILL), until the next save to that folder removes them (their process is gone);
+  after SIGINT there are none and the command says it was interrupted.
 
 Used by tests/robustness/test_interrupts.py and scripts/reliability_report.py.
 """
