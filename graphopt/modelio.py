@@ -421,6 +421,7 @@ def save(model: Model, out: str) -> None:
 
     New files get the permissions the umask gives (like any other tool's); replacing an
     existing file keeps that file's permissions (``--in-place`` keeps the model's mode)."""
+    refuse_input_files(out, model, in_place=True)  # its own data files: never (API callers too)
     proto = model.flush()
     folder = os.path.dirname(os.path.abspath(out))
     stem = os.path.basename(out)

@@ -129,6 +129,15 @@ def test_item01_run_output_onto_external_data_is_refused(tmp_path):
     assert not (tmp_path / "t.onnx").exists()
 
 
+def test_item01_api_save_onto_the_models_own_data_file_is_refused(tmp_path):
+    src = save_external(weights_model(), tmp_path)
+    before = snapshot(tmp_path)
+    model = graphopt.load(src)
+    with pytest.raises(graphopt.GraphoptError, match="external data file 'w.bin'"):
+        graphopt.save(model, str(tmp_path / "w.bin"))
+    assert snapshot(tmp_path) == before
+
+
 # ---- item 2: clean-up deletes only what this run created ------------------------------
 def test_item02_data_files_an_earlier_output_copy_uses_are_kept(tmp_path):
     out_dir = tmp_path / "out"
@@ -466,3 +475,4 @@ def test_item20_in_place_keeps_the_original_mode(tmp_path, umask):
     assert invoke("optimize", ext, "--in-place").exit_code == 0
     data = [n for n in os.listdir(tmp_path / "e") if re.fullmatch(r"model\.onnx\..*\.data", n)]
     assert _mode(ext) == 0o664 and [_mode(tmp_path / "e" / n) for n in data] == [0o664]
+
