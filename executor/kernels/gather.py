@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..registry import kernel
+from ._scatter import check_bounds, linear_index, scatter_rows
 from ._util import norm_axis
 
 
@@ -16,6 +17,7 @@ def _fix_negative(xp, indices, dim):
 def gather(ctx, node, data, indices):
     axis = norm_axis(node.attrs.get("axis", 0), data.ndim)
     indices = _fix_negative(ctx.xp, indices, data.shape[axis])
+    check_bounds(ctx, indices, data.shape[axis], "Gather")
     return ctx.xp.take(data, indices, axis=axis)
 
 
@@ -23,6 +25,7 @@ def gather(ctx, node, data, indices):
 def gather_elements(ctx, node, data, indices):
     axis = norm_axis(node.attrs.get("axis", 0), data.ndim)
     indices = _fix_negative(ctx.xp, indices, data.shape[axis])
+    check_bounds(ctx, indices, data.shape[axis], "GatherElements")
     return ctx.xp.take_along_axis(data, indices, axis=axis)
 
 
@@ -33,6 +36,7 @@ def gather_nd(ctx, node, data, indices):
     k = indices.shape[-1]
     indices = xp.where(indices < 0,
                        indices + xp.asarray(data.shape[b:b + k], dtype=indices.dtype), indices)
+    check_bounds(ctx, indices, list(data.shape[b:b + k]), "GatherND")
     batch_shape = data.shape[:b]
     n_batch = int(np.prod(batch_shape, dtype=np.int64))
     flat_data = data.reshape((n_batch,) + data.shape[b:])
@@ -53,13 +57,23 @@ def scatter_nd(ctx, node, data, indices, updates):
     idx = indices.reshape(-1, k)
     upd = updates.reshape((idx.shape[0],) + data.shape[k:])
     reduction = node.attrs.get("reduction", "none")
+    idx = xp.where(idx < 0, idx + xp.asarray(data.shape[:k], dtype=idx.dtype), idx)
+    check_bounds(ctx, idx, list(data.shape[:k]), "ScatterND")
     cols = tuple(idx[:, j] for j in range(k))
     if reduction == "none":
         out[cols] = upd
     else:
-        ufunc = {"add": xp.add, "mul": xp.multiply, "max": xp.maximum, "min": xp.minimum}[reduction]
-        ufunc.at(out, cols, upd)
+        rows = linear_index(xp, cols, data.shape[:k])
+        out2d = out.reshape(int(np.prod(data.shape[:k], dtype=np.int64)), -1)
+        scatter_rows(ctx, out2d, rows, upd.reshape(idx.shape[0], -1), reduction)
     return out
+
+
+def _open_grid(xp, shape):
+    """numpy.indices(shape, sparse=True), which CuPy does not have."""
+    rank = len(shape)
+    return [xp.arange(n).reshape([-1 if j == i else 1 for j in range(rank)])
+            for i, n in enumerate(shape)]
 
 
 @kernel("ScatterElements", since=11)
@@ -67,15 +81,17 @@ def scatter_elements(ctx, node, data, indices, updates):
     xp = ctx.xp
     axis = norm_axis(node.attrs.get("axis", 0), data.ndim)
     indices = _fix_negative(xp, indices, data.shape[axis])
+    check_bounds(ctx, indices, data.shape[axis], "ScatterElements")
     out = data.copy()
-    grid = list(xp.indices(indices.shape, sparse=True))
+    grid = _open_grid(xp, indices.shape)
     grid[axis] = indices
     reduction = node.attrs.get("reduction", "none")
     if reduction == "none":
         out[tuple(grid)] = updates
     else:
-        ufunc = {"add": xp.add, "mul": xp.multiply, "max": xp.maximum, "min": xp.minimum}[reduction]
-        ufunc.at(out, tuple(grid), updates)
+        rows = linear_index(xp, [xp.broadcast_to(g, indices.shape) for g in grid], data.shape)
+        scatter_rows(ctx, out.reshape(-1, 1), rows.reshape(-1), updates.reshape(-1, 1),
+                     reduction)
     return out
 
 

@@ -23,21 +23,35 @@ def _attr_axes(node, x):
     return tuple(norm_axis(a, x.ndim) for a in axes)
 
 
-def _lowest(x):
-    """Identity of max (used only for empty reductions; ONNX wants -inf / min value)."""
-    if x.size:
-        return None
-    if x.dtype == np.bool_:
+def _lowest(dtype):
+    """Identity of max, for empty reductions (ONNX wants -inf / the lowest value)."""
+    if dtype == np.bool_:
         return False
-    return -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
+    return -np.inf if dtype.kind == "f" else np.iinfo(dtype).min
 
 
-def _highest(x):
-    if x.size:
-        return None
-    if x.dtype == np.bool_:
+def _highest(dtype):
+    if dtype == np.bool_:
         return True
-    return np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).max
+    return np.inf if dtype.kind == "f" else np.iinfo(dtype).max
+
+
+def _extreme(name, identity):
+    """xp.max / xp.min with ONNX's identity for an empty input. Not through ``initial=``:
+    CuPy's amax/amin have no such parameter."""
+
+    def run(xp, x, axes, keepdims):
+        if x.size == 0:
+            shape = tuple(1 if i in axes else n for i, n in enumerate(x.shape) if keepdims
+                          or i not in axes)
+            return xp.full(shape, identity(x.dtype), dtype=x.dtype)
+        return getattr(xp, name)(x, axis=axes, keepdims=keepdims)
+
+    return run
+
+
+_reduce_max = _extreme("max", _lowest)
+_reduce_min = _extreme("min", _highest)
 
 
 def reduce_sum(xp, x, axes, keepdims):
@@ -56,8 +70,8 @@ def _float_reduce(fn):
 _REDUCERS = {
     "ReduceSum": (reduce_sum, 13),
     "ReduceMean": (_float_reduce(lambda xp, x, a, k: xp.mean(x, axis=a, keepdims=k)), 18),
-    "ReduceMax": (lambda xp, x, a, k: xp.max(x, axis=a, keepdims=k, initial=_lowest(x)), 18),
-    "ReduceMin": (lambda xp, x, a, k: xp.min(x, axis=a, keepdims=k, initial=_highest(x)), 18),
+    "ReduceMax": (_reduce_max, 18),
+    "ReduceMin": (_reduce_min, 18),
     "ReduceProd": (lambda xp, x, a, k: xp.prod(x, axis=a, keepdims=k, dtype=x.dtype), 18),
     "ReduceL1": (lambda xp, x, a, k: xp.sum(xp.abs(x), axis=a, keepdims=k, dtype=x.dtype), 18),
     "ReduceL2": (
@@ -70,7 +84,7 @@ _REDUCERS = {
 
 
 def _logsumexp(xp, x, axes, keepdims):
-    peak = xp.max(x, axis=axes, keepdims=True, initial=_lowest(x))
+    peak = _reduce_max(xp, x, axes, True)
     peak = xp.where(xp.isfinite(peak), peak, 0)
     result = xp.log(xp.sum(xp.exp(x - peak), axis=axes, keepdims=True)) + peak
     return result if keepdims else xp.squeeze(result, axis=axes)

@@ -6,6 +6,7 @@ import numpy as np
 
 from ..errors import FeedError
 from ..registry import MS_DOMAIN, kernel
+from ._scatter import check_bounds, scatter_rows
 from ._util import compute_dtype, gelu_exact_grad, gelu_tanh_grad, norm_axis
 from .nn import coerced_axes, single_axis
 from .reduce import _axes, reduce_sum
@@ -73,14 +74,17 @@ def gather_grad(ctx, node, shape, indices, dy):
     shape = ctx.host_ints(shape)
     axis = norm_axis(node.attrs.get("axis", 0), len(shape))
     indices = xp.where(indices < 0, indices + shape[axis], indices)
+    check_bounds(ctx, indices, shape[axis], "GatherGrad")
     dx = xp.zeros(shape, dtype=dy.dtype)
-    index = (slice(None),) * axis + (indices,)
-    if xp is np:
-        np.add.at(dx, index, dy)
-    else:
-        import cupyx  # noqa: PLC0415
-
-        cupyx.scatter_add(dx, index, dy)
+    outer = int(np.prod(shape[:axis], dtype=np.int64))
+    inner = int(np.prod(shape[axis + 1:], dtype=np.int64))
+    n = int(indices.size)
+    # Deterministic on every device (no atomics): see _scatter. Rows are (outer, index)
+    # pairs of the (outer * dim, inner) view of dx, in dy's order.
+    rows = indices.reshape(1, n).astype(np.int64) + (
+        xp.arange(outer, dtype=np.int64).reshape(outer, 1) * shape[axis])
+    scatter_rows(ctx, dx.reshape(outer * shape[axis], inner), rows.reshape(-1),
+                 dy.reshape(outer * n, inner), "add")
     return dx
 
 

@@ -1,0 +1,76 @@
+"""Scatter reductions that give NumPy's bits on every backend, and index bounds checks.
+
+NumPy's ``ufunc.at`` applies duplicate indices one after the other, in the order of the
+updates. CuPy cannot be asked for that: ``multiply.at`` is not implemented,
+``maximum.at``/``minimum.at`` reject float16 and bool, ``add.at`` rejects int64 before
+CuPy 14.1, and what it does support (``add.at``, ``cupyx.scatter_add``) uses atomics,
+so float sums change from run to run.
+
+The portable path applies the updates in *rounds*: round r applies, for every target
+row, its r-th update (counted in update order). Within a round the targets are distinct,
+so a plain gather / ufunc / fancy-assignment is exact and race-free, and every row sees
+its updates in the same order as ``ufunc.at``: the result is bitwise NumPy's, on any
+device, every run. Cost: one stable sort, one device->host read of the per-round counts,
+then three small kernels per round; the number of rounds is the largest number of
+updates aimed at one row (1 for a permutation, the token frequency for an embedding
+gradient).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+REDUCTIONS = {"add": "add", "mul": "multiply", "max": "maximum", "min": "minimum"}
+
+
+def scatter_rows(ctx, out2d, rows, updates2d, reduction: str) -> None:
+    """In place: for each i in order, ``out2d[rows[i]] = op(out2d[rows[i]], updates2d[i])``.
+
+    ``out2d``: (R, C) C-contiguous; ``rows``: (n,) int64 in [0, R); ``updates2d``: (n, C).
+    """
+    xp = ctx.xp
+    ufunc = getattr(xp, REDUCTIONS[reduction])
+    if xp is np:  # NumPy's own sequential loop is the reference order
+        ufunc.at(out2d, rows, updates2d)
+        return
+    n = int(rows.shape[0])
+    if n == 0:
+        return
+    order = xp.argsort(rows, kind="stable")  # updates grouped by row, update order kept
+    sorted_rows = rows[order]
+    first = xp.ones(n, dtype=np.bool_)
+    first[1:] = sorted_rows[1:] != sorted_rows[:-1]
+    group = xp.cumsum(first) - 1
+    group_start = xp.nonzero(first)[0]
+    rank = xp.arange(n) - group_start[group]  # how many earlier updates hit the same row
+    by_round = order[xp.argsort(rank, kind="stable")]
+    per_round = ctx.host_ints(xp.bincount(rank))
+    start = 0
+    for count in per_round:
+        ids = by_round[start:start + count]
+        start += count
+        targets = rows[ids]
+        out2d[targets] = ufunc(out2d[targets], updates2d[ids])
+
+
+def linear_index(xp, coordinates, shape) -> object:
+    """Row-major flat index (int64) of a tuple of broadcastable coordinate arrays."""
+    flat = None
+    for coordinate, dim in zip(coordinates, shape, strict=True):
+        term = coordinate.astype(np.int64)
+        flat = term if flat is None else flat * dim + term
+    return flat
+
+
+def check_bounds(ctx, indices, dims, what: str) -> None:
+    """Raise IndexError for an index outside [0, dim) (after negative-index fixing).
+
+    NumPy raises by itself; CuPy's take and fancy indexing wrap out-of-range indices
+    silently, so on a GPU this costs one reduction and one device->host read.
+    """
+    xp = ctx.xp
+    if xp is np or indices.size == 0:
+        return
+    limit = xp.asarray(dims, dtype=indices.dtype)
+    if bool(xp.any((indices < 0) | (indices >= limit))):
+        raise IndexError(f"{what}: index out of range for dimension(s) {tuple(dims)}")
