@@ -44,6 +44,7 @@ import os
 import pickle
 import socket
 import sys
+import threading
 import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -267,7 +268,9 @@ def world(timeout: float = 300.0) -> Communicator:
 
 
 def bind_device(device: str, comm: Communicator) -> None:
-    """Each rank on a host takes its own GPU: ``local_rank % device count``."""
+    """Each rank on a host takes its own GPU: ``local_rank % device count``. With more ranks
+    than GPUs on a host, ranks share GPUs; NCCL refuses that ("Duplicate GPU detected"), so
+    :func:`make_transport` then all-reduces over MPI instead."""
     if device == "cpu":
         return
     try:
@@ -368,8 +371,10 @@ class MpiTransport:
 
     name = "MPI"
 
-    def __init__(self, comm: Communicator, backend):
+    def __init__(self, comm: Communicator, backend, fallback_reason: str | None = None):
         self.comm, self.backend = comm, backend
+        if fallback_reason:  # a GPU job that could not use NCCL says why
+            self.name = f"MPI through the host (not NCCL: {fallback_reason})"
 
     def buffer(self, size: int):
         return np.zeros(size, np.float32)
@@ -403,11 +408,33 @@ class NcclTransport:
         from cupy.cuda import nccl  # noqa: PLC0415
 
         self.cupy, self.nccl, self.comm = cupy, nccl, comm
-        uid = nccl.get_unique_id() if comm.rank == 0 else None
-        uid = comm.bcast_object(uid, 0, "the NCCL unique-id broadcast",
-                                max(comm.timeout, SETUP_TIMEOUT_MIN))
-        # every rank is here (the broadcast completed) before the blocking NCCL init
-        self.nccl_comm = nccl.NcclCommunicator(comm.size, uid, comm.rank)
+        limit = max(comm.timeout, SETUP_TIMEOUT_MIN)
+        uid = None
+        if comm.rank == 0:
+            try:
+                uid = nccl.get_unique_id()
+            except Exception as exc:  # noqa: BLE001 - every rank must learn it failed
+                uid = f"rank 0 could not get an NCCL unique id: {type(exc).__name__}: {exc}"
+        uid = comm.bcast_object(uid, 0, "the NCCL unique-id broadcast", limit)
+        if isinstance(uid, str):
+            raise RuntimeError(uid)
+        # every rank is here (the broadcast completed); the NCCL init blocks until all ranks
+        # join, so it runs on a thread and is waited for under the communicator's deadline
+        result: dict = {}
+
+        def init():
+            try:
+                result["comm"] = nccl.NcclCommunicator(comm.size, uid, comm.rank)
+            except Exception as exc:  # noqa: BLE001 - handed to the caller below
+                result["error"] = exc
+
+        worker = threading.Thread(target=_on_device(cupy.cuda.Device(), init),
+                                  name="nccl-init", daemon=True)
+        worker.start()
+        comm.wait(lambda: not worker.is_alive(), 0, "the NCCL communicator set-up", limit)
+        if "error" in result:
+            raise result["error"]
+        self.nccl_comm = result["comm"]
         comm.on_abort.append(self.nccl_comm.abort)
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.name = "RCCL" if getattr(cupy.cuda.runtime, "is_hip", False) else "NCCL"
@@ -439,13 +466,60 @@ class NcclTransport:
         return buffer.get(), finite
 
 
+def _on_device(device, fn):
+    """``fn`` run with ``device`` current (a new thread starts on device 0)."""
+    def run():
+        with device:
+            fn()
+    return run
+
+
+def nccl_unusable(comm: Communicator) -> str | None:
+    """Why this rank cannot all-reduce with NCCL/RCCL (None when it can)."""
+    try:
+        import cupy  # noqa: PLC0415
+        from cupy.cuda import nccl  # noqa: PLC0415
+    except ImportError as exc:
+        return f"cupy.cuda.nccl does not import ({exc})"
+    if not getattr(nccl, "available", False):  # the module imports even without libnccl
+        return ("CuPy finds no NCCL library (pip install nvidia-nccl-cu12 or -cu13, as "
+                "graphopt[cuda] does; RCCL comes with ROCm)")
+    try:
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # noqa: BLE001 - the runtime's own error types
+        return f"no GPU runtime ({exc})"
+    if comm.local_size > count:
+        return (f"{comm.local_size} ranks on this host share {count} GPU(s), and NCCL "
+                "refuses two ranks on one GPU")
+    return None
+
+
+def _all_agree(comm: Communicator, ok: bool, what: str) -> bool:
+    """True when ``ok`` holds on every rank (one small all-reduce)."""
+    failed = comm.allreduce_sum(np.array([0 if ok else 1], np.int64), 0, what,
+                                max(comm.timeout, SETUP_TIMEOUT_MIN))
+    return int(failed[0]) == 0
+
+
 def make_transport(comm: Communicator, backend):
-    if getattr(backend, "is_gpu", False):
-        try:
-            return NcclTransport(comm, backend)
-        except ImportError:
-            pass   # CuPy without NCCL: stage through the host
-    return MpiTransport(comm, backend)
+    """NCCL (RCCL) on GPUs when every rank can use it, else MPI through the host; all ranks
+    agree on the choice, and the MPI transport says why NCCL was not used."""
+    if not getattr(backend, "is_gpu", False):
+        return MpiTransport(comm, backend)
+    reason = nccl_unusable(comm)
+    if not _all_agree(comm, reason is None, "choosing the gradient transport"):
+        return MpiTransport(comm, backend, reason or "NCCL is unusable on another rank")
+    try:
+        transport, error = NcclTransport(comm, backend), None
+    except Exception as exc:  # noqa: BLE001 - NcclError and its kin; every rank agrees below
+        transport, error = None, exc
+    if not _all_agree(comm, transport is not None, "the NCCL communicator set-up"):
+        if transport is not None:
+            transport.nccl_comm.abort()
+        why = (f"NCCL set-up failed ({type(error).__name__}: {error})" if error is not None
+               else "NCCL set-up failed on another rank")
+        return MpiTransport(comm, backend, why)
+    return transport
 
 
 # -- buckets ---------------------------------------------------------------------------------
