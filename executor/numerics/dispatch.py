@@ -19,11 +19,11 @@ from .policy import ALTERNATE, OPS, Fp16Policy
 from .stats import DenormalCounts, DenormalStats, format_denormal_table
 
 
-def _kernels_for(xp):
+def _kernels_for(xp, native_alternate: bool):
     if getattr(xp, "__name__", "") == "cupy":
         from .gpu_gemm import CupyFp16Gemm  # noqa: PLC0415 - CuPy is optional
 
-        return CupyFp16Gemm(xp)
+        return CupyFp16Gemm(xp, native_alternate=native_alternate)
     return cpu_gemm
 
 
@@ -43,13 +43,20 @@ class Numerics:
         if mode not in MODES:
             raise ValueError(f"numerics mode must be one of {MODES} or None, got {mode!r}")
         self.mode = mode
-        self.policy = policy if policy is not None else Fp16Policy.from_env()
+        policy = policy if policy is not None else Fp16Policy.from_env()
+        if device_info.get("platform") == "rocm":
+            # rocBLAS reads ROCBLAS_INTERNAL_FP16_ALT_IMPL(_RNZ) itself and applies it to
+            # every FP16 GEMM it runs (lowered convolutions included), over any flag we
+            # pass: the policy states what will really run.
+            policy = policy.under_rocblas_env(warn=policy.sources.get("gemm") == "programmatic")
+        self.policy = policy
         self.xp = xp
-        # On a real gfx90a the BLAS flushes by itself: "original" is then a plain matmul.
+        # On a real gfx90a the BLAS flushes by itself ("original" is a plain FP16 GEMM) and
+        # has the alternate itself (rocBLAS's fp16_alt_impl flag).
         self.hardware_flushes = mode == "mi200" and is_mi200_hardware(device_info)
         self.emulates_flush = mode == "mi200" and not self.hardware_flushes
         self.current_node: str | None = None
-        self._kernels = _kernels_for(xp)
+        self._kernels = _kernels_for(xp, native_alternate=is_mi200_hardware(device_info))
         self._stats = DenormalStats() if collect_stats else None
 
     def backward_pass(self) -> AbstractContextManager:

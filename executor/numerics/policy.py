@@ -242,6 +242,41 @@ class Fp16Policy:
             lines.append(f"        ({src['rounding']})")
         return "\n".join(lines)
 
+    def under_rocblas_env(self, environ: Mapping[str, str] | None = None, *,
+                          warn: bool = False) -> Fp16Policy:
+        """The policy rocBLAS really applies when every FP16 product goes through it.
+
+        rocBLAS (``tensile_host.cpp``) reads ``ROCBLAS_INTERNAL_FP16_ALT_IMPL`` and ``..._RNZ``
+        once, and when set they replace the caller's ``rocblas_gemm_flags_fp16_alt_impl``
+        (and ``_rnz``) on every FP16 GEMM: both GEMM directions and, since the executor
+        lowers convolutions to GEMMs, every convolution direction too. Unset, the caller's
+        flags (this policy) stand. ``warn``: say so when this changes a decision.
+        """
+        env = os.environ if environ is None else environ
+        gemm_raw, rnz_raw = env.get(GEMM_ENV), env.get(GEMM_RNZ_ENV)
+        if gemm_raw is None and rnz_raw is None:
+            return self
+        impl = None if gemm_raw is None else (ORIGINAL if c_atoi(gemm_raw) == 0 else ALTERNATE)
+        rounding = None if rnz_raw is None else (TRUNCATE if c_atoi(rnz_raw) == 0 else RNZ)
+        note = f"rocBLAS reads {GEMM_ENV}={gemm_raw!r}, {GEMM_RNZ_ENV}={rnz_raw!r} itself"
+        effective = Fp16Policy(
+            gemm=impl or (self.gemm_forward, self.gemm_backward),
+            conv=impl or (self.conv_fwd, self.conv_bwd_data, self.conv_bwd_weights),
+            gemm_rounding=rounding or self.gemm_rounding,
+            conv_rounding=rounding or self.conv_rounding,
+            sources={
+                "gemm": f"{self.sources['gemm']}; {note}" if impl else self.sources["gemm"],
+                "conv": (f"{self.sources['conv']}; {note} (convolutions are GEMMs here)"
+                         if impl else self.sources["conv"]),
+                "rounding": note if rounding else self.sources.get("rounding", ""),
+            },
+        )
+        if warn and effective != self:
+            warnings.warn(
+                f"{note}, and it overrides the requested FP16 policy on every FP16 GEMM: "
+                f"{self!r} becomes {effective!r}", Fp16EnvWarning, stacklevel=3)
+        return effective
+
     # -- environment -------------------------------------------------------------------
 
     @classmethod
