@@ -80,9 +80,12 @@ def _cpu_available() -> int | None:
 
 
 def _gpu_available(xp) -> int | None:
+    """The driver's free bytes plus what CuPy's pool holds unused (reusable by this process,
+    but counted as used by the driver)."""
     try:
         free, _total = xp.cuda.runtime.memGetInfo()
-        return int(free)
+        pooled = xp.get_default_memory_pool().free_bytes()
+        return int(free) + int(pooled)
     except Exception:  # no runtime, no device: do not guess
         return None
 
@@ -197,6 +200,11 @@ class MemoryGuard:
         self.resident = sum(int(getattr(a, "nbytes", 0)) for a in
                             session._initializers.values())
         self.available = available_bytes(session.backend)
+        if (self.available is not None and getattr(session.backend, "is_gpu", False)
+                and not os.environ.get(ENV)):
+            # the initializers were uploaded before this reading: the driver's free figure
+            # already excludes them, and planned_peak counts them as resident again
+            self.available += self.resident
         self.types = infer_types(session.model) if self.available is not None else {}
         self._cache: dict[tuple, dict[str, int | None]] = {}
         self._verdicts: dict[tuple, int] = {}
