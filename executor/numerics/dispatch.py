@@ -72,6 +72,11 @@ class Numerics:
             raise ValueError(f"unknown GEMM-class op {op!r}; expected one of {OPS}")
         xp = self.xp
         if a.dtype != xp.float16 or b.dtype != xp.float16:
+            if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous:
+                # one large GEMM, not a batched one per leading index (CuPy would build
+                # pointer arrays for a broadcast sgemmBatched)
+                flat = xp.matmul(a.reshape(-1, a.shape[-1]), b)
+                return flat.reshape(a.shape[:-1] + (b.shape[1],))
             return xp.matmul(a, b)
         backward = BackwardPassGuard.is_backward_pass()
         impl = self.policy.implementation(op, backward)

@@ -212,3 +212,26 @@ def test_rocblas_ctypes_bindings_pass_the_header_arguments(tmp_path):
     rocblas.run(0x1000, 0x2000, batched, 0x3000, 0x4000, 0x5000, 14, 0, 0)  # BF16 in, F32 out
     assert list(seen[:27]) == [0x1000, 111, 112, 3, 5, 7, 0x3000, 168, 3, 0, 0x4000, 168, 5,
                                35, 0x5000, 151, 3, 15, 0x5000, 151, 3, 15, 4, 151, 0, 0, 0]
+
+
+def test_non_fp16_nd_at_2d_is_one_gemm():
+    """FP32 (B, S, H) @ (H, O) with numerics on: one (B*S, H) @ (H, O) product, not a
+    batched one (CuPy would run a pointer-array sgemmBatched)."""
+    from graphopt.executor.numerics import Fp16Policy, Numerics
+
+    seen = []
+
+    class Xp:
+        float16 = np.float16
+        __name__ = "numpy_recorder"
+
+        @staticmethod
+        def matmul(a, b):
+            seen.append((a.ndim, b.ndim))
+            return np.matmul(a, b)
+
+    a = np.random.default_rng(2).standard_normal((3, 4, 5)).astype(np.float32)
+    b = np.random.default_rng(3).standard_normal((5, 6)).astype(np.float32)
+    got = Numerics("native", Fp16Policy(), xp=Xp).matmul(a, b)
+    np.testing.assert_allclose(got, a @ b, rtol=1e-6)
+    assert seen == [(2, 2)]
