@@ -25,6 +25,7 @@ from graphopt.executor import Session
 from graphopt.executor.backend import ArrayBackend
 from graphopt.executor.context import KernelContext
 from graphopt.executor.kernels._scatter import scatter_rows
+from graphopt.executor.numerics.gpu_gemm import blas_matmul
 from graphopt.executor.onnx_backend import _as_array
 from graphopt.executor.registry import supported_op_types
 from graphopt.training import build_training_graph
@@ -110,6 +111,16 @@ def gpu_path_run():
                                               err_msg=f"training {name}: {key}")
         except Exception as exc:  # noqa: BLE001
             failures.append(f"training {name}: {type(exc).__name__}: {str(exc)[:300]}")
+    # the array calls of the GPU GEMM's operand handling (its BLAS calls are checked in
+    # tests/numerics/test_gemm_plan.py)
+    rng = np.random.default_rng(0)
+    for shape_a, shape_b in [((2, 4, 5, 3), (2, 1, 3, 6)), ((4, 5, 3), (6, 3)), ((3,), (3, 2))]:
+        a = rng.standard_normal(shape_a).astype(np.float16)
+        b = rng.standard_normal(shape_b).astype(np.float16)
+        b = b.swapaxes(-1, -2) if shape_b == (6, 3) else b
+        blas_matmul(xp, a, b, xp.float16, lambda *args: None)
+        if a.ndim > 1:  # rows that no BLAS layout reads: copied first
+            blas_matmul(xp, a[..., ::2, :], b, xp.float32, lambda *args: None)
     return xp.recorder, failures
 
 
