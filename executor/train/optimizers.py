@@ -4,6 +4,12 @@ graphopt run and a torch run of the same model agree step for step).
 Every optimizer updates ``params`` (name -> numpy array) in place from ``grads`` (name ->
 float32 array) and keeps its state as named arrays plus a few scalars, which the checkpoint
 stores as they are (bit-exact resume).
+
+Parameters may also live on a GPU (CuPy arrays): the state is then created on the same
+device, ``state()`` still hands the checkpoint host arrays, and AdamW updates each parameter
+with one fused kernel (``ADAMW_BODY``) that does NumPy's float32 operations in NumPy's order
+with explicitly rounded multiplies and adds (no fused multiply-add contraction), so a GPU
+step gives the host's bits.
 """
 from __future__ import annotations
 
@@ -40,15 +46,19 @@ class Optimizer:
         raise NotImplementedError
 
     def _slot(self, param_name: str, slot: str, like: np.ndarray) -> np.ndarray:
+        """The float32 state array ``slot`` of a parameter, on the parameter's device."""
         slots = self.slots.setdefault(param_name, {})
+        xp = array_module(like)
         if slot not in slots:
-            slots[slot] = np.zeros(like.shape, np.float32)
+            slots[slot] = xp.zeros(like.shape, np.float32)
+        elif array_module(slots[slot]) is not xp:  # loaded from a checkpoint (host arrays)
+            slots[slot] = xp.asarray(slots[slot])
         return slots[slot]
 
     # -- checkpoint -------------------------------------------------------------------------
     def state(self) -> tuple[dict, dict[str, np.ndarray]]:
         """(JSON-able scalars, named arrays)."""
-        arrays = {f"{param}/{slot}": value for param, slots in self.slots.items()
+        arrays = {f"{param}/{slot}": to_host(value) for param, slots in self.slots.items()
                   for slot, value in slots.items()}
         return {"name": self.name, "lr": self.lr, "weight_decay": self.weight_decay,
                 "steps": self.steps, **self._hyper()}, arrays
@@ -117,6 +127,36 @@ class AdamW(Optimizer):
     def _hyper(self):
         return {"beta1": self.beta1, "beta2": self.beta2, "eps": self.eps}
 
+    def step(self, params, grads) -> None:
+        device = [name for name, param in params.items() if array_module(param) is not np]
+        if not device:
+            return super().step(params, grads)
+        self.steps += 1
+        host = {name: param for name, param in params.items() if name not in device}
+        for name, param in host.items():
+            value = param.astype(np.float32)
+            self._update(name, value, grads[name].astype(np.float32, copy=False))
+            param[...] = value
+        for name in device:
+            self._fused_update(name, params[name], grads[name])
+        return None
+
+    def _scalars(self):
+        """The float32 constants NumPy's float32 arithmetic in ``_update`` uses."""
+        f32 = np.float32
+        bias1 = 1.0 - self.beta1 ** self.steps
+        bias2 = 1.0 - self.beta2 ** self.steps
+        return (f32(1.0 - self.lr * self.weight_decay), f32(self.beta1), f32(1.0 - self.beta1),
+                f32(self.beta2), f32(1.0 - self.beta2), f32(np.sqrt(bias2)), f32(self.eps),
+                f32(self.lr / bias1))
+
+    def _fused_update(self, name, param, grad):
+        xp = array_module(param)
+        m = self._slot(name, "exp_avg", param)
+        v = self._slot(name, "exp_avg_sq", param)
+        kernel = _adamw_kernel(xp)
+        kernel(grad, *self._scalars(), param, m, v)
+
     def _update(self, name, param, grad):
         param *= 1.0 - self.lr * self.weight_decay
         m = self._slot(name, "exp_avg", param)
@@ -129,6 +169,48 @@ class AdamW(Optimizer):
         bias2 = 1.0 - self.beta2 ** self.steps
         denom = np.sqrt(v) / np.float32(np.sqrt(bias2)) + np.float32(self.eps)
         param -= np.float32(self.lr / bias1) * (m / denom)
+
+
+def array_module(array):
+    """numpy for host arrays, else the array's own module (``cupy`` for a CuPy array)."""
+    if isinstance(array, np.ndarray) or np.isscalar(array):
+        return np
+    import importlib  # noqa: PLC0415
+
+    return importlib.import_module(type(array).__module__.split(".")[0])
+
+
+def to_host(array) -> np.ndarray:
+    return array.get() if hasattr(array, "get") else np.asarray(array)
+
+
+# One AdamW step for one element: ``_update``'s float32 operations in its order, each
+# multiply/add/subtract explicitly rounded (__fmul_rn/__fadd_rn/__fsub_rn: no FMA
+# contraction), division and sqrt IEEE-rounded (the CUDA/HIP defaults), so the bits are
+# NumPy's. p is the master weight (float32 or float16), rounded back once at the end.
+ADAMW_BODY = r"""
+    float p = __fmul_rn((float)param, decay);
+    float g = (float)grad;
+    float m1 = __fadd_rn(__fmul_rn(m, beta1), __fmul_rn(one_minus_beta1, g));
+    float v1 = __fadd_rn(__fmul_rn(v, beta2), __fmul_rn(__fmul_rn(one_minus_beta2, g), g));
+    float denom = __fadd_rn(sqrtf(v1) / sqrt_bias2, eps);
+    p = __fsub_rn(p, __fmul_rn(step_size, m1 / denom));
+    m = m1;
+    v = v1;
+    param = (P)p;
+"""
+
+_ADAMW_KERNELS: dict = {}
+
+
+def _adamw_kernel(xp):
+    kernel = _ADAMW_KERNELS.get(xp)
+    if kernel is None:
+        kernel = _ADAMW_KERNELS[xp] = xp.ElementwiseKernel(
+            "G grad, float32 decay, float32 beta1, float32 one_minus_beta1, float32 beta2, "
+            "float32 one_minus_beta2, float32 sqrt_bias2, float32 eps, float32 step_size",
+            "P param, float32 m, float32 v", ADAMW_BODY, "graphopt_adamw_step")
+    return kernel
 
 
 def make_optimizer(name: str, lr: float, weight_decay: float | None = None) -> Optimizer:
