@@ -216,6 +216,7 @@ class Session:
         output_names: Sequence[str] | None = None,
         *,
         observer: Observer | None = None,
+        to_host: bool = True,
     ) -> dict[str, np.ndarray]:
         """Run the graph and return ``{name: numpy array}`` for ``output_names``.
 
@@ -225,7 +226,8 @@ class Session:
         YieldOp output names to the gradients of the module outputs (defaults: ones).
         Feeds are validated (names, dtypes, static and symbolic dims) before any node runs.
         ``observer(step, node_name, live_tensor_names)`` is called after each step, once
-        the dead tensors are released (for memory debugging).
+        the dead tensors are released (for memory debugging). ``to_host=False`` returns the
+        backend's arrays as they are (CuPy arrays stay on the GPU).
         """
         plan = self.plan(output_names)
         checked = self._check_feeds(feeds, plan)
@@ -261,6 +263,8 @@ class Session:
                     observer(index, step.node.name, live)
         finally:
             ctx.yield_feeds = {}
+        if not to_host:
+            return {name: values[plan.slot_of[name]] for name in plan.fetches}
         return {name: self.backend.to_host(values[plan.slot_of[name]]) for name in plan.fetches}
 
     def _run_with_numerics(self, step, args):

@@ -708,6 +708,8 @@ def weights_checksum(params: Mapping[str, np.ndarray]) -> int:
 class DistributedTrainer(Trainer):
     """:class:`~.loop.Trainer` with the data-parallel hooks; rank 0 writes checkpoints."""
 
+    weights_on_device = False  # buckets, broadcasts and checksums work on host weights
+
     def __init__(self, *args, comm: Communicator, dist: DistSettings, **kwargs):
         super().__init__(*args, **kwargs)
         self.comm, self.dist = comm, dist

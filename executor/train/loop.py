@@ -29,7 +29,7 @@ from graphopt.executor import ExecutorError
 from . import checkpoint as ckpt
 from .data import Batches
 from .loss_scaling import LossScaler
-from .optimizers import Optimizer
+from .optimizers import Optimizer, to_host
 from .precision import compute_dtype, master_dtype
 from .progress import Progress, StepLog
 from .training_graph import TrainingGraph
@@ -96,7 +96,7 @@ def _nonfinite(value) -> str | None:
     """"nan" / "inf" / "-inf" if a float array holds such a value, else None."""
     if value is None:
         return None
-    array = np.asarray(value)
+    array = to_host(value)
     if not np.issubdtype(array.dtype, np.floating) or array.size == 0:
         return None
     with np.errstate(invalid="ignore", over="ignore"):
@@ -157,6 +157,8 @@ def _reseed(session, value: int) -> None:
 
 
 class Trainer:
+    weights_on_device = True
+
     def __init__(self, graph: TrainingGraph, session, batches: Batches, optimizer: Optimizer,
                  scaler: LossScaler, settings: LoopSettings, *, progress: Progress | None = None,
                  log: StepLog | None = None, echo: Callable[[str], None] = print,
@@ -167,8 +169,13 @@ class Trainer:
         self.progress, self.log, self.echo, self.after_step = progress, log, echo, after_step
         self.warn = warn   # the one-line report of a skipped non-finite step (None: silent)
         self.compute_dtype = compute_dtype(settings.precision)
-        self.params = {n: v.astype(master_dtype(settings.precision))
-                       for n, v in graph.initial.items()}
+        # On a GPU the weights, their gradients and the optimizer state stay on the device:
+        # a step copies the loss and one finite flag back, nothing else (a distributed
+        # trainer all-reduces through the host and keeps them there).
+        backend = getattr(session, "backend", None)
+        self._on_device = self.weights_on_device and bool(getattr(backend, "is_gpu", False))
+        self.params = self._placed({n: v.astype(master_dtype(settings.precision))
+                                    for n, v in graph.initial.items()})
         self.history: list[dict] = []
         self.step = 0
         self.fetches = list(graph.losses) + [graph.grads[p] for p in graph.params]
@@ -180,6 +187,11 @@ class Trainer:
         self.stop_flag: StopFlag | None = None   # set while run() runs
 
     # -- setup --------------------------------------------------------------------------------
+    def _placed(self, params: dict) -> dict:
+        if not self._on_device:
+            return params
+        return {n: self.session.backend.to_device(v) for n, v in params.items()}
+
     def _loss_gradient_templates(self) -> list[tuple[str, tuple, np.dtype]]:
         """(YieldOp output, shape, dtype) of each loss: fed ``scale`` when scaling."""
         declared = {o.name: o for o in self.graph.proto.graph.output}
@@ -221,8 +233,8 @@ class Trainer:
                                     f"{value}; resume with the same data, --seed and --batch-size")
         self.optimizer.load_state(state.optimizer, state.optimizer_arrays)
         self.scaler.load_state(state.scaler)
-        self.params = {n: v.astype(master_dtype(self.settings.precision))
-                       for n, v in state.params.items()}
+        self.params = self._placed({n: v.astype(master_dtype(self.settings.precision))
+                                    for n, v in state.params.items()})
         self.step = state.step
         self.history = list(state.history)
         self.nonfinite = {}
@@ -238,7 +250,8 @@ class Trainer:
         epoch, index = self.batches.position(self.step)
         scalars, arrays = self.optimizer.state()
         state = ckpt.Checkpoint(
-            step=self.step, params=self.params, optimizer=scalars, optimizer_arrays=arrays,
+            step=self.step, params={n: to_host(v) for n, v in self.params.items()},
+            optimizer=scalars, optimizer_arrays=arrays,
             scaler=self.scaler.state(),
             data={"seed": self.batches.seed, "size": self.batches.size,
                   "batch_size": self.batches.batch_size, "epoch": epoch,
@@ -336,19 +349,26 @@ class Trainer:
 
     # -- hooks a distributed trainer overrides (see .distributed) ---------------------------
     def _run_graph(self, feeds: dict) -> dict:
-        return self.session.run(feeds, self.fetches)
+        return self.session.run(feeds, self.fetches, to_host=not self._on_device)
 
     def _gradients(self, out: dict, scale: float, loss: float
                    ) -> tuple[float, dict[str, np.ndarray], bool]:
         """(loss, float32 unscaled gradients, all finite) of one step's graph outputs."""
         grads = {}
         finite = True
+        checks = []
         for param in self.graph.params:
             grad = out[self.graph.grads[param]].astype(np.float32)
             if scale != 1.0:
                 grad /= np.float32(scale)
-            finite = finite and bool(np.isfinite(grad).all())
+            if self._on_device:
+                checks.append(self.session.backend.xp.isfinite(grad).all())
+            else:
+                finite = finite and bool(np.isfinite(grad).all())
             grads[param] = grad
+        if checks:  # one device->host read for all of them
+            xp = self.session.backend.xp
+            finite = bool(xp.all(xp.stack(checks)))
         return loss, grads, finite
 
     def _stop_requested(self, stop: StopFlag) -> bool:
@@ -382,6 +402,6 @@ class Trainer:
         target = settings.checkpoint_dir or (settings.interrupt_dir if interrupted else None)
         if target:
             self.save_checkpoint(target)
-        return TrainResult({n: v.astype(np.float32) for n, v in self.params.items()},
+        return TrainResult({n: to_host(v).astype(np.float32) for n, v in self.params.items()},
                            self.history, self.step, self.scaler.skipped, interrupted,
                            self._last_checkpoint, dict(self.nonfinite))

@@ -28,6 +28,7 @@ from graphopt.executor.kernels._scatter import scatter_rows
 from graphopt.executor.numerics.gpu_gemm import blas_matmul
 from graphopt.executor.onnx_backend import _as_array
 from graphopt.executor.registry import supported_op_types
+from graphopt.executor.train import RunOptions, run
 from graphopt.training import build_training_graph
 
 from .cupy_api import RecordingXp, cupy_incompatibilities
@@ -79,7 +80,7 @@ def _data_sets(case):
 
 
 @pytest.fixture(scope="module")
-def gpu_path_run():
+def gpu_path_run(tmp_path_factory):
     """(recorder, failures) of one run of every case through the recording backend."""
     xp = RecordingXp()
     backend = ArrayBackend("cuda", xp)
@@ -111,6 +112,19 @@ def gpu_path_run():
                                               err_msg=f"training {name}: {key}")
         except Exception as exc:  # noqa: BLE001
             failures.append(f"training {name}: {type(exc).__name__}: {str(exc)[:300]}")
+    # the training loop's device branch (weights, gradients and optimizer state on the device)
+    folder = tmp_path_factory.mktemp("train")
+    rng = np.random.default_rng(1)
+    data = folder / "d.npz"
+    np.savez(data, x=rng.standard_normal((16, 64)).astype(np.float32),
+             labels=rng.integers(0, 10, 16).astype(np.int64))
+    for optimizer in ("adamw", "momentum"):
+        try:
+            run(RunOptions(model=fixture_path("mlp.onnx"), data=str(data), loss="cross_entropy",
+                           steps=3, batch_size=4, optimizer=optimizer, precision="mixed",
+                           loss_scale="dynamic:1024:3", device=backend, quiet=True))
+        except Exception as exc:  # noqa: BLE001
+            failures.append(f"training loop {optimizer}: {type(exc).__name__}: {exc}")
     # the array calls of the GPU GEMM's operand handling (its BLAS calls are checked in
     # tests/numerics/test_gemm_plan.py)
     rng = np.random.default_rng(0)

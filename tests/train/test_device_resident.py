@@ -1,0 +1,42 @@
+"""Training with the weights kept on the device: the GPU branch of the loop (weights,
+gradients and optimizer state left where the session computes them, one finite flag read
+back per step, host copies only for checkpoints and the result), run on a stand-in device
+whose arrays are NumPy's, ends on exactly the CPU run's weights, through a resume too."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from executor.cupy_api import RecordingXp  # tests/executor/cupy_api.py (tests/ is on sys.path)
+
+from graphopt.executor.backend import ArrayBackend
+from graphopt.executor.train import RunOptions, run
+from graphopt.executor.train.loop import Trainer
+
+from .helpers import MLP, mlp_data, write_npz
+
+
+def options(tmp_path, **overrides) -> RunOptions:
+    base = dict(model=MLP, data=write_npz(tmp_path / "d.npz", mlp_data(samples=42)),
+                loss="cross_entropy", steps=12, batch_size=4, optimizer="adamw", lr=0.01,
+                seed=5, device="cpu", quiet=True)
+    return RunOptions(**{**base, **overrides})
+
+
+@pytest.mark.parametrize("optimizer,precision,loss_scale", [
+    ("adamw", "fp32", None), ("momentum", "mixed", "dynamic:1024:3"),
+])
+def test_device_resident_run_equals_the_host_run(tmp_path, optimizer, precision, loss_scale):
+    common = dict(optimizer=optimizer, precision=precision, loss_scale=loss_scale)
+    host = run(options(tmp_path, **common))
+    xp = RecordingXp()
+    device = run(options(tmp_path, device=ArrayBackend("cuda", xp),
+                         checkpoint=str(tmp_path / "ck"), **common))
+    for name, value in host.result.params.items():
+        np.testing.assert_array_equal(device.result.params[name], value, err_msg=name)
+    assert ("isfinite", 1, frozenset()) in xp.recorder.calls  # the device branch ran
+    assert Trainer.weights_on_device
+    resumed = run(options(tmp_path, device=ArrayBackend("cuda", RecordingXp()), steps=20,
+                          checkpoint=str(tmp_path / "ck"), resume=True, **common))
+    straight = run(options(tmp_path, steps=20, **common))
+    for name, value in straight.result.params.items():
+        np.testing.assert_array_equal(resumed.result.params[name], value, err_msg=name)
