@@ -41,7 +41,8 @@ print(f'{name}; {n} device(s); CuPy {cupy.__version__}; hip={cupy.cuda.runtime.i
 if [ "${rc[device]}" = 0 ]; then
   step pytest_gpu 240 "$py" -m pytest -q -p no:cacheprovider --junitxml="$out/pytest_gpu.xml" \
       tests/numerics/test_gpu.py tests/executor/test_gpu.py tests/executor/test_cupy_api.py \
-      tests/numerics/test_gemm_plan.py "tests/distributed/test_distributed.py::test_nccl_transport_single_rank_allreduce"
+      tests/numerics/test_gemm_plan.py tests/train/test_fused_adamw.py tests/train/test_device_resident.py \
+      "tests/distributed/test_distributed.py::test_nccl_transport_single_rank_allreduce"
   step bench_fp16_gemm 60 "$py" bench/bench_fp16_gemm.py
   step bench_executor_gpu 150 "$py" bench/bench_executor_gpu.py
   cp bench/RESULTS.md "$out/RESULTS.md"

@@ -40,3 +40,17 @@ def test_device_resident_run_equals_the_host_run(tmp_path, optimizer, precision,
     straight = run(options(tmp_path, steps=20, **common))
     for name, value in straight.result.params.items():
         np.testing.assert_array_equal(resumed.result.params[name], value, err_msg=name)
+
+
+@pytest.mark.gpu
+def test_gpu_run_keeps_weights_on_the_device_and_matches_the_host(tmp_path):
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("CuPy found no device")
+    except Exception as exc:  # noqa: BLE001 - no driver
+        pytest.skip(f"CuPy cannot reach a device: {exc}")
+    host = run(options(tmp_path))
+    device = run(options(tmp_path, device="cuda" if not cupy.cuda.runtime.is_hip else "rocm"))
+    for name, value in host.result.params.items():  # GEMM summation order differs
+        np.testing.assert_allclose(device.result.params[name], value, rtol=1e-4, atol=1e-5)

@@ -82,3 +82,26 @@ def test_cupy_accepts_the_kernel_declaration():
 
     kernel = _adamw_kernel(cupy)
     assert kernel.nin == 9 and kernel.nout == 3
+
+
+@pytest.mark.gpu
+def test_fused_kernel_on_the_device_gives_the_host_bits():
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("CuPy found no device")
+    except Exception as exc:  # noqa: BLE001 - no driver
+        pytest.skip(f"CuPy cannot reach a device: {exc}")
+    rng = np.random.default_rng(9)
+    host, device = AdamW(lr=3e-3, weight_decay=0.1), AdamW(lr=3e-3, weight_decay=0.1)
+    for dtype in (np.float32, np.float16):
+        key = f"w_{np.dtype(dtype).name}"
+        param = rng.standard_normal(10_000).astype(dtype)
+        on_device = cupy.asarray(param)
+        for _ in range(4):
+            grad = rng.standard_normal(param.size).astype(np.float32)
+            host.step({key: param}, {key: grad})
+            device.step({key: on_device}, {key: cupy.asarray(grad)})
+        np.testing.assert_array_equal(on_device.get().view(np.uint8), param.view(np.uint8))
+    _, arrays = device.state()
+    assert all(isinstance(value, np.ndarray) for value in arrays.values())
