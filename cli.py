@@ -31,6 +31,31 @@ def user_errors(command):
     return wrapper
 
 
+USAGE_EXIT = 1   # the same as every other mistake: a bad option value and a bad rule name
+#                  (caught by graphopt, not click) must not exit differently
+
+
+def usage_error(exc: click.UsageError) -> None:
+    """One line and exit 1 for every command line mistake, in every command, instead of
+    click's usage block and exit 2 (``graphopt run`` said it in one line with exit 1,
+    ``optimize`` in a usage block with exit 2)."""
+    ctx = exc.ctx
+    command = ctx.command.name if ctx is not None and ctx.parent is not None else None
+    where = f"'graphopt {command} -h'" if command else "'graphopt -h'"
+    click.echo(f"graphopt: error: {exc.format_message()} (see {where})", err=True)
+    sys.exit(USAGE_EXIT)
+
+
+class _OneLineUsageErrors(click.Command):
+    """Option errors (a bad value, an unknown option, a missing argument): one line, exit 1."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            usage_error(exc)
+
+
 class GraphoptGroup(click.Group):
     """Click turns a Ctrl-C that lands outside a command body (while it parses arguments or
     finishes) into "Aborted!" and exit code 1; here every interrupt exits 130 with one line."""
@@ -40,6 +65,8 @@ class GraphoptGroup(click.Group):
             return super().main(args, prog_name, complete_var, False, **extra)
         try:
             code = super().main(args, prog_name, complete_var, False, **extra)
+        except click.UsageError as exc:
+            usage_error(exc)
         except click.ClickException as exc:
             exc.show()
             sys.exit(exc.exit_code)
@@ -55,39 +82,94 @@ def main():
     """graphopt: ONNX graph rewriting and a reference training executor."""
 
 
-@main.command()
+@main.command(cls=_OneLineUsageErrors)
 @click.argument("model", type=click.Path(dir_okay=True, path_type=str))
 @click.option("-o", "--output", "output", type=click.Path(path_type=str),
               help="Where to write the optimized model.")
 @click.option("--level", type=click.IntRange(1, 2), default=2, show_default=True,
               help="1: standard-op rewrites; 2: also com.microsoft fusions.")
+@click.option("--only", multiple=True, metavar="NAME",
+              help="Run just this rule (repeatable), whatever --level says.")
 @click.option("--enable", multiple=True, metavar="NAME", help="Also run this rule.")
 @click.option("--disable", multiple=True, metavar="NAME", help="Do not run this rule.")
 @click.option("--provider", type=click.Choice(api.PROVIDERS),
               help="Only rules that target this execution provider.")
+@click.option("--input-shape", "input_shapes", multiple=True, metavar="NAME:DIM,DIM",
+              help="Fix an input's dimensions before optimizing (repeatable).")
+@click.option("--check", "check_runs", is_flag=False, flag_value=3, default=None,
+              type=click.IntRange(min=1), metavar="[N]",
+              help="Compare the original and the optimized model on N random inputs "
+                   "(default 3) in onnxruntime (the executor without it); exit 1 if they "
+                   "differ.")
 @click.option("--dry-run", is_flag=True, help="Optimize and report; write nothing.")
 @click.option("--report", "report_file", type=click.Path(path_type=str),
-              help="Also write the report as JSON to this file.")
+              help="Also write the report as JSON to this file (- for stdout).")
 @click.option("--explain", multiple=True, metavar="NAME",
               help="Show why this rule did not match where it almost did.")
 @click.option("--in-place", is_flag=True, help="Allow overwriting the input model.")
+@click.option("-v", "--verbose", is_flag=True,
+              help="Also the rules selected and every op type's count before and after.")
+@click.option("-q", "--quiet", is_flag=True, help="Only errors.")
 @user_errors
-def optimize(model, output, level, enable, disable, provider, dry_run, report_file, explain,
-             in_place):
+def optimize(model, output, level, only, enable, disable, provider, input_shapes, check_runs,
+             dry_run, report_file, explain, in_place, verbose, quiet):
     """Rewrite MODEL with the built-in (and plugin) rules."""
+    if verbose and quiet:
+        raise GraphoptError("-v/--verbose and -q/--quiet contradict each other")
+    to_stdout = report_file == "-"
+    # with --report - stdout is the JSON alone: the human-readable lines go to stderr
+    say = (lambda _text: None) if quiet else functools.partial(click.echo, err=to_stdout)
+    shapes = dict(api.parse_input_shape(text) for text in input_shapes)
+    checked = []
+
+    def check(original, optimized):
+        from graphopt.executor.compare import base_dir_of
+        from graphopt.executor.compare import check as compare
+
+        result = compare(original, optimized, check_runs, base_dir=base_dir_of(model),
+                         shapes=shapes)
+        checked.append(result)
+        if not result.ok:
+            raise GraphoptError(result.format() + "; nothing written")
+
     report = api.optimize_file(model, output, in_place=in_place, dry_run=dry_run, level=level,
-                               enable=list(enable), disable=list(disable), provider=provider,
-                               explain=list(explain), also_writes={"--report": report_file})
-    click.echo(report.format_table())
+                               only=list(only), enable=list(enable), disable=list(disable),
+                               provider=provider, explain=list(explain), input_shapes=shapes,
+                               before_save=check if check_runs else None,
+                               also_writes={"--report": None if to_stdout else report_file})
+    if verbose:
+        say("rules run: " + ", ".join(report.rules))
+    say(report.format_table())
+    if verbose:
+        say(_op_type_table(report))
     for name in explain:
-        click.echo(report.format_explain(name))
-    if report_file:
+        say(report.format_explain(name))
+    for result in checked:
+        say(result.format())
+    if to_stdout:
+        click.echo(report.to_json())
+    elif report_file:
         modelio.write_text_atomic(report_file, report.to_json())
+        say(f"wrote the report to {report_file}")
     target = model if output is None else output
-    click.echo("dry run: nothing written" if dry_run else f"wrote {target}")
+    if not dry_run:
+        say(f"wrote {target}")
+    elif report_file and not to_stdout:
+        say("dry run: only the report was written")
+    else:
+        say("dry run: nothing written")
 
 
-@main.command("rules")
+def _op_type_table(report) -> str:
+    before, after = report.op_types_before, report.op_types_after
+    names = sorted(set(before) | set(after))
+    width = max((len(n) for n in names), default=7)
+    lines = [f"{'op type'.ljust(width)}  before  after"]
+    lines += [f"{n.ljust(width)}  {before.get(n, 0):>6}  {after.get(n, 0):>5}" for n in names]
+    return "\n".join(lines)
+
+
+@main.command("rules", cls=_OneLineUsageErrors)
 @user_errors
 def list_rules():
     """List every rule with its level, providers and description."""
@@ -100,16 +182,6 @@ def list_rules():
                    + "  " + row[4])
 
 
-class _OneLineUsageErrors(click.Command):
-    """Option errors (a bad value, an unknown option) as one line and exit 1, like every
-    other user error of ``graphopt run``, instead of click's usage block and exit 2."""
-
-    def parse_args(self, ctx, args):
-        try:
-            return super().parse_args(ctx, args)
-        except click.UsageError as exc:
-            click.echo(f"graphopt: error: {exc.format_message()}", err=True)
-            sys.exit(1)
 
 
 @main.command("run", cls=_OneLineUsageErrors)

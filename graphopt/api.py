@@ -1,8 +1,10 @@
 """The importable entry points: ``optimize`` and ``optimize_file``."""
 from __future__ import annotations
 
+import difflib
 import os
 import time
+from collections import Counter
 from collections.abc import Iterable
 
 import onnx
@@ -18,26 +20,38 @@ from .report import Report
 PROVIDERS = ("cpu", "cuda", "rocm")
 
 
+def unknown_rule(name: str, known: Iterable[str]) -> GraphoptError:
+    """The error for a rule name that does not exist, with the closest names when a typo
+    is likely (as git and pip say "did you mean")."""
+    close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+    return GraphoptError(f"unknown rule '{name}' ({hint}list them with: graphopt rules)")
+
+
 def select_rules(rules: Iterable | None = None, *, level: int = 2, enable: Iterable[str] = (),
-                 disable: Iterable[str] = (), provider: str | None = None) -> list[Rule | Pass]:
-    """Rules by level, plus ``enable``, minus ``disable``, filtered by provider."""
+                 disable: Iterable[str] = (), provider: str | None = None,
+                 only: Iterable[str] = ()) -> list[Rule | Pass]:
+    """Rules by level, plus ``enable``, minus ``disable``, filtered by provider. ``only``:
+    just these rules, whatever their level (``disable`` and ``provider`` still apply)."""
     known = all_rules()
+    only = list(only)
     if level not in (1, 2):
         raise GraphoptError(f"level must be 1 or 2, not {level}")
     if provider is not None and provider not in PROVIDERS:
         raise GraphoptError(f"unknown provider '{provider}' (choose from {', '.join(PROVIDERS)})")
-    for name in [*enable, *disable]:
+    for name in [*only, *enable, *disable]:
         if name not in known:
-            raise GraphoptError(f"unknown rule '{name}' (list them with: graphopt rules)")
-    if rules is None:
+            raise unknown_rule(name, known)
+    if only:
+        chosen = [known[n] for n in dict.fromkeys(only)]
+    elif rules is None:
         chosen = [r for r in known.values() if r.level <= level]
     else:
         chosen = []
         for rule in rules:
             if isinstance(rule, str):
                 if rule not in known:
-                    raise GraphoptError(
-                        f"unknown rule '{rule}' (list them with: graphopt rules)")
+                    raise unknown_rule(rule, known)
                 rule = known[rule]
             chosen.append(rule)
     names = {r.name for r in chosen}
@@ -66,9 +80,10 @@ def optimize_loaded(model: Model, rules: list, *, explain: Iterable[str] = ()):
     known = {r.name for r in all_rules().values()} | {r.name for r in rules}
     for name in explain:
         if name not in known:
-            raise GraphoptError(f"unknown rule '{name}' (list them with: graphopt rules)")
+            raise unknown_rule(name, known)
     original = model.proto.SerializeToString()
     report = Report(model=model.path or "<in-memory>", nodes_before=len(model.graph.nodes))
+    op_types_before = op_type_counts(model)
     start = time.perf_counter()
     Engine(rules, explain=explain).run(model, report)
     if model.graph.changed or any(g.changed for g in model.graphs()):
@@ -85,7 +100,20 @@ def optimize_loaded(model: Model, rules: list, *, explain: Iterable[str] = ()):
         report.validated = True
     report.nodes_after = len(model.graph.nodes)
     report.seconds = time.perf_counter() - start
+    report.op_types_before = op_types_before
+    report.op_types_after = op_type_counts(model)
     return model.flush(), report
+
+
+def op_type_counts(model: Model) -> dict[str, int]:
+    """Nodes per op type in the model and its subgraphs, contrib ops as ``domain.Op``; read
+    from the IR's op-type index (no walk over the nodes, so large graphs pay nothing)."""
+    counts: Counter[str] = Counter()
+    for graph in model.graphs():
+        for (domain, op_type), ids in graph.by_type.items():
+            if ids:
+                counts[f"{domain}.{op_type}" if domain else op_type] += len(ids)
+    return dict(sorted(counts.items()))
 
 
 INVALID = (onnx.checker.ValidationError, onnx.shape_inference.InferenceError)
@@ -142,8 +170,20 @@ def optimize_file(source: str, out: str | None, *, in_place: bool = False, dry_r
     # now that its external data files are known (and open), none of them may be an output
     for option, path in [*([] if dry_run else [("output", target)]), *also_writes.items()]:
         modelio.refuse_input_files(path, model, in_place, what=option)
+    input_shapes = options.pop("input_shapes", None)
+    before_save = options.pop("before_save", None)
+    if input_shapes:   # the graph is indexed again with the new input types
+        external = model.external
+        model = Model(fix_input_shapes(model.proto, input_shapes), model.path)
+        model.external = external
+    original = None
+    if before_save is not None:
+        original = onnx.ModelProto()
+        original.CopyFrom(model.proto)
     explain = options.pop("explain", ())
-    _, report = optimize_loaded(model, select_rules(**options), explain=explain)
+    optimized, report = optimize_loaded(model, select_rules(**options), explain=explain)
+    if before_save is not None:
+        before_save(original, optimized)   # e.g. --check: raises to write nothing
     if not dry_run:
         try:
             modelio.save(model, target)
@@ -151,3 +191,45 @@ def optimize_file(source: str, out: str | None, *, in_place: bool = False, dry_r
             raise GraphoptError(f"{target}: cannot write: {exc.strerror or exc}") from None
     report.model = os.fspath(source)
     return report
+
+
+def parse_input_shape(text: str) -> tuple[str, list[int]]:
+    """``NAME:DIM,DIM,...`` (as onnxsim's --overwrite-input-shape) -> (name, dims)."""
+    name, sep, dims = text.rpartition(":")
+    try:
+        values = [int(d) for d in dims.split(",")] if sep and name else None
+    except ValueError:
+        values = None
+    if not values or any(v < 1 for v in values):
+        raise GraphoptError(f"--input-shape {text!r}: expected NAME:DIM,DIM,... with positive "
+                            "integers, e.g. input_ids:1,128")
+    return name, values
+
+
+def fix_input_shapes(proto: onnx.ModelProto, shapes: dict[str, list[int]]) -> onnx.ModelProto:
+    """Give graph inputs fixed dimensions (symbolic ones become numbers), so shape inference
+    and constant folding know them. A fixed dimension may not change; the rank must match."""
+    graph = proto.graph
+    initializers = {t.name for t in graph.initializer}
+    inputs = {i.name: i for i in graph.input if i.name not in initializers}
+    for name, dims in shapes.items():
+        if name not in inputs:
+            close = difflib.get_close_matches(name, list(inputs), n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise GraphoptError(f"--input-shape: the model has no input '{name}' ({hint}its "
+                                f"inputs are {', '.join(inputs) or 'none'})")
+        tensor_type = inputs[name].type.tensor_type
+        declared = list(tensor_type.shape.dim)
+        if tensor_type.HasField("shape") and len(declared) != len(dims):
+            raise GraphoptError(f"--input-shape {name}: {len(dims)} dimensions given, the input "
+                                f"has {len(declared)}")
+        for index, (dim, value) in enumerate(zip(declared, dims, strict=False)):
+            if dim.HasField("dim_value") and dim.dim_value not in (0, value):
+                raise GraphoptError(f"--input-shape {name}: dimension {index} is fixed at "
+                                    f"{dim.dim_value} in the model, not {value}")
+        del tensor_type.shape.dim[:]
+        for value in dims:
+            tensor_type.shape.dim.add().dim_value = value
+    # intermediate shapes recorded with the old symbols would contradict the new ones
+    del graph.value_info[:]
+    return proto

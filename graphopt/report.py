@@ -28,6 +28,8 @@ class Report:
     seconds: float = 0.0
     validation_seconds: float = 0.0
     validated: bool = False
+    op_types_before: dict[str, int] = field(default_factory=dict)   # op type -> nodes
+    op_types_after: dict[str, int] = field(default_factory=dict)
 
     def stats(self, rule) -> RuleStats:
         if rule.name not in self.rules:
@@ -42,8 +44,32 @@ class Report:
     def fired(self) -> list[str]:
         return [s.name for s in self.rules.values() if s.rewrites]
 
+    @property
+    def op_type_changes(self) -> dict[str, dict[str, int]]:
+        """Op types whose count changed: ``{"Split": {"before": 0, "after": 1}, ...}``."""
+        before, after = self.op_types_before, self.op_types_after
+        return {op: {"before": before.get(op, 0), "after": after.get(op, 0)}
+                for op in sorted(set(before) | set(after))
+                if before.get(op, 0) != after.get(op, 0)}
+
+    def format_op_types(self) -> str:
+        """One line: what disappeared, what appeared, what changed in number."""
+        changes = self.op_type_changes
+        if not changes:
+            return "op types: unchanged"
+        gone = [f"{op} {c['before']}" for op, c in changes.items() if not c["after"]]
+        new = [f"{op} {c['after']}" for op, c in changes.items() if not c["before"]]
+        fewer_more = [f"{op} {c['before']} -> {c['after']}" for op, c in changes.items()
+                      if c["before"] and c["after"]]
+        parts = ([f"removed {', '.join(gone)}"] if gone else []) + \
+                ([f"added {', '.join(new)}"] if new else []) + \
+                ([f"changed {', '.join(fewer_more)}"] if fewer_more else [])
+        return "op types: " + "; ".join(parts)
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        data["op_type_changes"] = self.op_type_changes
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
@@ -63,6 +89,7 @@ class Report:
                      f"time: {self.seconds * 1e3:.1f} ms"
                      + (f" (validation {self.validation_seconds * 1e3:.1f} ms)"
                         if self.validated else ""))
+        lines.append(self.format_op_types())
         fired = self.fired
         lines.append("fired: " + (", ".join(fired) if fired else "none"))
         for stats in self.rules.values():

@@ -59,7 +59,8 @@ def fuse(m):
 
 RULE = Rule(
     name="matmul_transpose_to_fused_matmul",
-    description=__doc__.splitlines()[0],
+    description="MatMul/FusedMatMul reading a Transpose it can express -> FusedMatMul with "
+                "transA/transB/transBatchA/transBatchB",
     level=2,
     tags=("fusion", "com.microsoft"),
     match=one_of(

@@ -192,21 +192,25 @@ def test_report_file_equal_to_input_is_refused(tmp_path):
     assert os.listdir(tmp_path) == ["m.onnx"]
 
 
-# ---- usage errors: exit 2 ---------------------------------------------------------------
+# ---- usage errors: one line, exit 1, as every other mistake ----------------------------
 @pytest.mark.parametrize("args", [
     ["optimize", MQA, "--no-such-option"],
     ["optimize", MQA, "-o", "x.onnx", "--level", "3"],
     ["optimize", MQA, "-o", "x.onnx", "--level", "zero"],
     ["optimize", MQA, "-o", "x.onnx", "--provider", "tpu"],
+    ["optimize", MQA, "-o", "x.onnx", "--only", "no_such_rule"],
     ["optimize"],
+    ["rules", "--no-such-option"],
+    ["run", "--example", "mqa", "--level", "3"],
     ["no-such-command"],
 ])
-def test_usage_errors_exit_2(args, tmp_path, monkeypatch):
+def test_usage_errors_are_one_line_and_exit_1_in_every_command(args, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = invoke(*args)
-    assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output
-    assert "Usage:" in result.stderr
+    line = assert_user_error(result)
+    assert "Usage:" not in result.output
+    if args[0] in ("optimize", "rules", "run") and "no_such_rule" not in args:
+        assert f"(see 'graphopt {args[0]} -h')" in line, line
     assert os.listdir(tmp_path) == []
 
 
@@ -362,7 +366,8 @@ def test_subprocess_user_error_and_success(tmp_path):
     assert "Traceback" not in proc.stdout + proc.stderr
     assert sorted(os.listdir(tmp_path)) == ["cut.onnx"]
     proc = _cli("optimize", MQA, "-o", tmp_path / "o.onnx", "--level", "3", cwd=tmp_path)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert len(proc.stderr.splitlines()) == 1
     proc = _cli("optimize", MQA, "-o", tmp_path / "o.onnx", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "fired: " in proc.stdout and proc.stderr == ""

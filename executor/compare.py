@@ -1,0 +1,156 @@
+"""``graphopt optimize --check``: run the original and the optimized model on the same random
+inputs and compare every output, as onnxsim's check does.
+
+The runtime is onnxruntime when it is installed (an oracle nobody here wrote); otherwise
+graphopt's own executor. Inputs have the declared shapes; a symbolic dimension takes the
+value ``--input-shape`` gave it, else 1.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from graphopt.errors import GraphoptError
+
+RTOL, ATOL = 1e-3, 1e-4   # onnxsim's defaults for its check
+
+
+@dataclass
+class OutputDiff:
+    name: str
+    max_abs: float
+    within: bool
+
+
+@dataclass
+class CheckResult:
+    runtime: str
+    runs: int
+    outputs: list[OutputDiff]
+
+    @property
+    def ok(self) -> bool:
+        return all(o.within for o in self.outputs)
+
+    def format(self) -> str:
+        worst = max((o.max_abs for o in self.outputs), default=0.0)
+        head = (f"check: {self.runs} random input set(s) in {self.runtime}: max abs "
+                f"difference {worst:.3g} (tolerance rtol {RTOL:g}, atol {ATOL:g})")
+        bad = [f"{o.name} ({o.max_abs:.3g})" for o in self.outputs if not o.within]
+        return head + (f"; outputs that differ: {', '.join(bad)}" if bad else "; outputs match")
+
+
+def _with_weights(model: onnx.ModelProto, base_dir: str) -> onnx.ModelProto:
+    proto = onnx.ModelProto()
+    proto.CopyFrom(model)
+    if base_dir and any(t.data_location == onnx.TensorProto.EXTERNAL
+                        for t in proto.graph.initializer):
+        from onnx.external_data_helper import load_external_data_for_model
+
+        load_external_data_for_model(proto, base_dir)
+    return proto
+
+
+def random_inputs(model: onnx.ModelProto, rng: np.random.Generator,
+                  shapes: dict[str, list[int]] | None = None) -> dict[str, np.ndarray]:
+    """One random array per graph input that is not an initializer."""
+    initializers = {t.name for t in model.graph.initializer}
+    feeds = {}
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue
+        tensor_type = value.type.tensor_type
+        if not value.type.HasField("tensor_type") or not tensor_type.elem_type:
+            raise GraphoptError(f"--check: input {value.name!r} is not a tensor of known type")
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))
+        dims = list((shapes or {}).get(value.name) or [])
+        if not dims:
+            dims = [d.dim_value if d.HasField("dim_value") else 1
+                    for d in tensor_type.shape.dim]
+        if np.issubdtype(dtype, np.floating):
+            feeds[value.name] = rng.standard_normal(dims).astype(dtype)
+        elif dtype == np.bool_:
+            feeds[value.name] = rng.integers(0, 2, dims).astype(bool)
+        else:   # indices: small non-negative values stay in range for Gather and friends
+            feeds[value.name] = rng.integers(0, 2, dims).astype(dtype)
+    return feeds
+
+
+def _runner(model: onnx.ModelProto):
+    """(runtime name, feeds -> {output: array})."""
+    names = [o.name for o in model.graph.output]
+    try:
+        import onnxruntime
+    except ImportError:
+        onnxruntime = None
+    if onnxruntime is not None:
+        options = onnxruntime.SessionOptions()
+        options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+        options.log_severity_level = 3
+        try:
+            session = onnxruntime.InferenceSession(model.SerializeToString(), options,
+                                                   providers=["CPUExecutionProvider"])
+        except Exception as exc:  # noqa: BLE001 (any load failure is one line)
+            raise GraphoptError(f"--check: onnxruntime cannot load the model: "
+                                f"{str(exc).strip().splitlines()[0][:200]}") from None
+        return "onnxruntime", lambda feeds: dict(zip(names, session.run(names, feeds),
+                                                     strict=True))
+    from .errors import ExecutorError
+    from .session import Session
+
+    try:
+        session = Session(model, device="cpu")
+    except ExecutorError as exc:
+        raise GraphoptError(f"--check: {str(exc).strip().splitlines()[0]}") from None
+    return "the graphopt executor (onnxruntime is not installed)", \
+        lambda feeds: session.run(feeds, names)
+
+
+def check(original: onnx.ModelProto, optimized: onnx.ModelProto, runs: int, *,
+          base_dir: str = "", shapes: dict[str, list[int]] | None = None,
+          seed: int = 0) -> CheckResult:
+    if runs < 1:
+        raise GraphoptError(f"--check N needs N >= 1, not {runs}")
+    original = _with_weights(original, base_dir)
+    optimized = _with_weights(optimized, base_dir)
+    runtime, run_original = _runner(original)
+    _, run_optimized = _runner(optimized)
+    rng = np.random.default_rng(seed)
+    worst: dict[str, OutputDiff] = {}
+    for _ in range(runs):
+        feeds = random_inputs(original, rng, shapes)
+        try:
+            expected, actual = run_original(feeds), run_optimized(feeds)
+        except GraphoptError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (a runtime failure is one line)
+            raise GraphoptError(f"--check: running the models failed: "
+                                f"{str(exc).strip().splitlines()[0][:200]}") from None
+        for name, want in expected.items():
+            got = np.asarray(actual[name])
+            want = np.asarray(want)
+            if got.shape != want.shape:
+                worst[name] = OutputDiff(name, float("inf"), False)
+                continue
+            if want.dtype.kind in "fc":
+                with np.errstate(invalid="ignore"):
+                    diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
+                diff = np.where(np.isnan(want) & np.isnan(got), 0.0, diff)
+                max_abs = float(np.nanmax(diff, initial=0.0)) if diff.size else 0.0
+                within = bool(np.allclose(got, want, rtol=RTOL, atol=ATOL, equal_nan=True))
+            else:
+                max_abs = float(np.max(np.abs(got.astype(np.float64) - want), initial=0.0))
+                within = bool(np.array_equal(got, want))
+            previous = worst.get(name)
+            if previous is None or max_abs > previous.max_abs or not within:
+                worst[name] = OutputDiff(name, max(max_abs, previous.max_abs if previous
+                                                   else 0.0),
+                                         within and (previous is None or previous.within))
+    return CheckResult(runtime, runs, list(worst.values()))
+
+
+def base_dir_of(path: str | None) -> str:
+    return os.path.dirname(os.path.abspath(path)) if path else ""
