@@ -201,9 +201,9 @@ def list_rules():
 @click.option("--lr", type=float, help="Learning rate (default 1e-3).")
 @click.option("--weight-decay", type=float,
               help="L2 for sgd/momentum (default 0), decoupled for adamw (default 0.01).")
-@click.option("--precision", type=click.Choice(["fp32", "mixed", "fp16"]), default="fp32",
-              show_default=True,
-              help="mixed: FP16 compute, FP32 master weights; fp16: FP16 master weights too.")
+@click.option("--precision", type=click.Choice(["fp32", "mixed", "fp16"]),
+              help="mixed: FP16 compute, FP32 master weights; fp16: FP16 master weights too "
+                   "(default: fp32, mixed for a float16 model).")
 @click.option("--loss-scale", metavar="SPEC",
               help="none | static:N | dynamic[:INIT[:INTERVAL]] (default: dynamic for "
                    "mixed/fp16, none for fp32).")
@@ -216,7 +216,10 @@ def list_rules():
               help="Rewrites applied to the training graph.")
 @click.option("--freeze", multiple=True, metavar="PATTERN", help="Do not train these weights.")
 @click.option("--train", "train_", multiple=True, metavar="PATTERN",
-              help="Train these weights even if --freeze matches them.")
+              help="Train these initializers even if --freeze matches them or they look like "
+                   "exporter constants.")
+@click.option("--list-params", is_flag=True,
+              help="Print what would be trained (and what not, and why), then exit.")
 @click.option("--disable", multiple=True, metavar="RULE", help="Do not run this rule.")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Data order and dropout seed.")
@@ -255,7 +258,7 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
         weight_decay, precision, loss_scale, device, numerics, level, freeze, train_, disable,
         seed, save_graph, checkpoint, checkpoint_every, resume, log_file, plot, denormal_report,
         output, in_place, quiet, distributed, bucket_mb, dist_timeout, dist_check_every,
-        dist_overlap):
+        dist_overlap, list_params):
     """Train MODEL (or a built-in --example) with the graphopt executor.
 
     \b
@@ -265,6 +268,7 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
     """
     from graphopt.executor.train import RunOptions
     from graphopt.executor.train import run as run_training
+    from graphopt.executor.train.runner import list_params as print_params
 
     options = RunOptions(
         model=model, example=example, data=data, loss=loss, labels=labels, steps=steps,
@@ -276,6 +280,9 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
         denormal_report=denormal_report, output=output, overwrite_input=in_place, quiet=quiet,
         distributed=distributed, bucket_mb=bucket_mb, dist_timeout=dist_timeout,
         dist_check_every=dist_check_every, dist_overlap=dist_overlap)
+    if list_params:
+        print_params(options, echo=click.echo)
+        return
     outcome = run_training(options, echo=click.echo)
     if outcome.result.interrupted:
         sys.exit(130)

@@ -85,8 +85,10 @@ def _cast_outputs_back(graph: onnx.GraphProto) -> None:
     taken = {n for node in graph.node for n in list(node.input) + list(node.output)}
     taken |= {t.name for t in graph.initializer} | {i.name for i in graph.input}
     for value in graph.output:
-        if value.type.tensor_type.elem_type != FLOAT:
+        # float16 outputs too: a model stored in float16 gets its loss in float32 as well
+        if value.type.tensor_type.elem_type not in (FLOAT, HALF):
             continue
+        value.type.tensor_type.elem_type = FLOAT
         half = f"{value.name}/float16"
         while half in taken:
             half += "_"
@@ -96,3 +98,29 @@ def _cast_outputs_back(graph: onnx.GraphProto) -> None:
             node.input[:] = [half if i == value.name else i for i in node.input]
         graph.node.append(helper.make_node("Cast", [half], [value.name], to=FLOAT,
                                            name=f"{value.name}/cast_to_float32"))
+
+
+def model_is_float16(model: onnx.ModelProto) -> bool:
+    """Whether the model stores its float weights in float16 (an fp16 export or a
+    ``model.half()``): then ``graphopt run`` trains in mixed precision by default."""
+    kinds = {t.data_type for t in model.graph.initializer if t.data_type in (FLOAT, HALF)}
+    return kinds == {HALF}
+
+
+def default_precision(model: onnx.ModelProto, requested: str | None) -> tuple[str, str | None]:
+    """(precision, a note to print or None). Unset: follow the model's dtype (float16
+    weights -> mixed: FP16 compute as stored, FP32 master weights, as PyTorch AMP keeps them).
+    ``fp32`` on a float16 model is refused: its graph computes in float16."""
+    half = model_is_float16(model)
+    if requested is None:
+        if half:
+            return "mixed", ("the model's weights are float16: training with --precision "
+                             "mixed (FP16 compute, FP32 master weights; --precision fp16 "
+                             "keeps FP16 master weights)")
+        return "fp32", None
+    check_precision(requested)
+    if requested == "fp32" and half:
+        raise GraphoptError("--precision fp32: the model's weights are float16; use "
+                            "--precision mixed (FP32 master weights) or --precision fp16, "
+                            "or leave --precision out")
+    return requested, None

@@ -24,9 +24,9 @@ from .export import plot_losses, require_matplotlib, save_model, trained_model
 from .loop import LoopSettings, NonFiniteError, Trainer, TrainResult
 from .loss_scaling import parse_loss_scale
 from .optimizers import make_optimizer
-from .precision import check_precision
+from .precision import default_precision
 from .progress import Progress, StepLog
-from .training_graph import TrainingGraph, build
+from .training_graph import TrainingGraph, build, describe_params, has_yield, trained_params
 
 INTERRUPT_DIR = "graphopt-checkpoint"
 
@@ -44,7 +44,7 @@ class RunOptions:
     optimizer: str | None = None
     lr: float | None = None
     weight_decay: float | None = None
-    precision: str = "fp32"
+    precision: str | None = None          # None: the model's own (fp16 weights -> mixed)
     loss_scale: str | None = None
     device: str = "auto"
     numerics: str = "auto"
@@ -63,6 +63,7 @@ class RunOptions:
     output: str | None = None
     overwrite_input: bool = False
     quiet: bool = False
+    list_params: bool = False             # print what would be trained, then stop
     # data parallel (issue 8; see .distributed): None means the default
     distributed: bool = False
     bucket_mb: float | None = None        # MiB per gradient all-reduce bucket (25)
@@ -180,9 +181,12 @@ def _run(opts: RunOptions, echo, progress_stream, after_step,
          dist: distributed.Distributed | None) -> RunOutcome:
     writer = dist is None or dist.writer
     say = (lambda _text: None) if opts.quiet else echo
-    precision = check_precision(opts.precision)
     forward, arrays, defaults, source = _resolve_source(opts)
     _check_outputs(opts, source)
+    precision, note = default_precision(forward, opts.precision)
+    if note:
+        say(f"note: {note}")
+    _warn_if_nothing_saved(opts, writer, say)
     scaler = parse_loss_scale(opts.loss_scale, precision)
     optimizer = make_optimizer(_pick(opts, defaults, "optimizer"), _pick(opts, defaults, "lr"),
                                opts.weight_decay)
@@ -241,6 +245,9 @@ def _run(opts: RunOptions, echo, progress_stream, after_step,
         if progress is not None:
             progress.start = trainer.step
         say(f"resumed from {ckpt.path_in(opts.checkpoint)} at step {trainer.step}")
+    if not has_yield(forward):
+        for line in describe_params(forward, graph.params, opts.freeze, opts.train):
+            say(line)
     say(f"training {len(graph.params)} tensors "
         f"({sum(v.size for v in graph.initial.values()):,} weights) for {total} steps of "
         f"{batches.batch_size} ({batches.steps_per_epoch} steps per epoch); optimizer "
@@ -257,6 +264,38 @@ def _run(opts: RunOptions, echo, progress_stream, after_step,
     if writer:
         _finish(opts, outcome, say, echo)
     return outcome
+
+
+def _warn_if_nothing_saved(opts: RunOptions, writer: bool, echo) -> None:
+    """Trained weights that nobody asked to keep are lost at the end: say so up front, and
+    where a Ctrl-C would save them."""
+    if opts.output or opts.checkpoint or not writer:
+        return
+    echo(f"warning: the trained weights will not be saved (no -o FILE.onnx, no --checkpoint "
+         f"DIR); only a Ctrl-C saves a checkpoint, in ./{INTERRUPT_DIR}/")
+
+
+def list_params(opts: RunOptions, echo: Callable[[str], None] = print) -> list[str]:
+    """``graphopt run --list-params``: what a run with these options would train, and what
+    it would leave out and why; no data needed, nothing trained or written."""
+    if (opts.model is None) == (opts.example is None):
+        raise GraphoptError("give a MODEL or --example NAME (not both)")
+    if opts.example is not None:
+        from graphopt.examples import load_example
+
+        forward = load_example(opts.example).model
+    else:
+        if not os.path.exists(opts.model):
+            raise GraphoptError(f"{opts.model}: no such file")
+        forward = modelio.load(opts.model).proto
+    if has_yield(forward):
+        raise GraphoptError("the model is already a training graph (it has a YieldOp): it "
+                            "trains the initializers that have a '<name>_grad' output")
+    params = trained_params(forward, opts.freeze, opts.train)
+    lines = describe_params(forward, params, opts.freeze, opts.train)
+    for line in lines:
+        echo(line)
+    return params
 
 
 def _finish(opts: RunOptions, outcome: RunOutcome, say, echo) -> None:

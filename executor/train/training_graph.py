@@ -27,7 +27,11 @@ from graphopt.errors import GraphoptError
 from graphopt.ir import MS_DOMAIN, normalize_domain
 from graphopt.report import Report
 from graphopt.training import build_training_graph
-from graphopt.training.selection import select_trainable
+from graphopt.training.selection import (
+    NOT_TRAINED_REASONS,
+    classify_initializers,
+    select_trainable,
+)
 
 from .precision import to_float16
 
@@ -88,10 +92,7 @@ def build(forward: onnx.ModelProto, *, loss: str | None = None, labels: str | No
                                 "--loss, --labels, --freeze and --train do not apply")
         training = forward if precision == "fp32" else to_float16(forward, keep_outputs_fp32=False)
     else:
-        initializers = [(t.name, t.data_type) for t in forward.graph.initializer]
-        params = select_trainable(initializers, None, freeze, train)
-        if not params:
-            raise GraphoptError("nothing to train: no float initializer is selected")
+        params = trained_params(forward, freeze, train)
         staged = _with_weights_as_inputs(forward, params)
         staged, report = graphopt.optimize(staged, level=1, disable=list(disable),
                                            check_input=False)
@@ -127,3 +128,61 @@ def _describe(training: onnx.ModelProto, forward: onnx.ModelProto,
     data_inputs = [i.name for i in graph.input if i.name not in initializer_names]
     return TrainingGraph(training, params, {p: f"{p}_grad" for p in params}, losses,
                          list(yield_node.output), data_inputs, initial, reports)
+
+
+def trained_params(forward: onnx.ModelProto, freeze=(), train=()) -> list[str]:
+    """The initializers ``graphopt run`` trains: the parameters (see
+    :func:`graphopt.training.selection.classify_initializers`), less ``--freeze``, plus
+    ``--train`` (which may name anything floating-point, constants included)."""
+    initializers = [(t.name, t.data_type) for t in forward.graph.initializer]
+    default, left_out = classify_initializers(forward)
+    params = select_trainable(initializers, default, freeze, train)
+    if not params:
+        kept = [n for key, names in left_out.items() if key != "integer" for n in names]
+        hint = (f"; {len(kept)} float initializer(s) are left out by default "
+                f"({_names(kept)}): --train PATTERN trains them") if kept else ""
+        raise GraphoptError(f"nothing to train: no float initializer is selected{hint}")
+    return params
+
+
+def _names(names: list[str], limit: int = 6) -> str:
+    return ", ".join(names[:limit]) + (f", ... ({len(names)})" if len(names) > limit else "")
+
+
+def _group(name: str) -> str:
+    """``h.3.mlp.weight`` -> ``h.*.mlp.weight``: the layers of a stack in one line."""
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
+
+
+def describe_params(forward: onnx.ModelProto, params: list[str], freeze=(), train=()
+                    ) -> list[str]:
+    """Lines saying what is trained (count, weights, names grouped by layer) and what is not
+    and why; printed before step 1 and by ``--list-params``."""
+    sizes = {t.name: int(np.prod(t.dims, dtype=np.int64)) for t in forward.graph.initializer}
+    shapes = {t.name: list(t.dims) for t in forward.graph.initializer}
+    groups: dict[str, list[str]] = {}
+    for name in params:
+        groups.setdefault(_group(name), []).append(name)
+    total = sum(sizes[n] for n in params)
+    lines = [f"trained: {len(params)} tensors, {total:,} weights"]
+    rows = []
+    for group, names in groups.items():
+        dims = {tuple(shapes[n]) for n in names}
+        rows.append((group + (f" (x{len(names)})" if len(names) > 1 else ""),
+                     str(list(next(iter(dims)))) if len(dims) == 1 else "various shapes",
+                     f"{sum(sizes[n] for n in names):,}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines += [f"  {a.ljust(widths[0])}  {b.ljust(widths[1])}  {c.rjust(widths[2])}"
+              for a, b, c in rows]
+    default, left_out = classify_initializers(forward)
+    chosen = set(params)
+    frozen = [n for n in default if n not in chosen]
+    if frozen:
+        left_out = {"frozen": frozen, **left_out}
+    reasons = {"frozen": "--freeze", **NOT_TRAINED_REASONS}
+    parts = [f"{reasons[key]}: {_names([n for n in names if n not in chosen])}"
+             for key, names in left_out.items() if key != "integer"
+             and any(n not in chosen for n in names)]
+    if parts:
+        lines.append("not trained: " + "; ".join(parts) + " (--train PATTERN trains one)")
+    return lines

@@ -71,3 +71,68 @@ def select_trainable(initializers: Sequence[tuple[str, int]], trainable: Pattern
     chosen -= matching(all_names, as_patterns(freeze), "freeze")
     chosen |= float_only(as_patterns(train), "train")
     return [name for name in float_names if name in chosen]
+
+
+# Names exporters give the constants they create (dynamo: val_N / _val_N; TorchScript:
+# onnx::Op_N; onnx-graphsurgeon and others: Constant_N). A module's parameters keep their
+# module path (``h.0.mlp.weight``), so a name like these is a folded constant, not a weight.
+EXPORTER_CONSTANT_NAMES = ("val_*", "_val_*", "onnx::*", "Constant_*")
+
+# (op type, input index) positions that only take shapes, sizes or indices: a float
+# initializer read nowhere else (Resize scales, Range bounds, ...) is shape arithmetic.
+_SHAPE_ONLY = {"Shape": (0,), "Size": (0,), "ConstantOfShape": (0,), "Reshape": (1,),
+               "Expand": (1,), "Tile": (1,), "Slice": (1, 2, 3, 4), "Range": (0, 1, 2),
+               "Resize": (1, 2, 3), "Upsample": (1,), "Pad": (1, 3), "Squeeze": (1,),
+               "Unsqueeze": (1,), "OneHot": (1,), "TopK": (1,), "EyeLike": (0,)}
+
+NOT_TRAINED_REASONS = {
+    "integer": "not floating-point",
+    "scalar": "scalars (rank 0)",
+    "exporter": "exporter-generated constant names",
+    "shape": "read only by shape computations",
+}
+
+
+def _shape_only_readers(graph) -> set[str]:
+    """Tensors every reader of which (in ``graph``, subgraphs included) takes as a shape."""
+    data, shape = set(), set()
+    stack = [graph]
+    while stack:
+        current = stack.pop()
+        for node in current.node:
+            positions = _SHAPE_ONLY.get(node.op_type, ())
+            for index, name in enumerate(node.input):
+                (shape if index in positions else data).add(name)
+            for attr in node.attribute:
+                stack.extend([attr.g] if attr.HasField("g") else [])
+                stack.extend(attr.graphs)
+    for output in graph.output:
+        data.add(output.name)
+    return shape - data
+
+
+def classify_initializers(model) -> tuple[list[str], dict[str, list[str]]]:
+    """What ``graphopt run`` trains by default: (parameters in model order, {reason: names
+    left out}). A parameter is a floating-point initializer that is not a scalar, not named
+    as exporters name their constants (:data:`EXPORTER_CONSTANT_NAMES`) and not read only by
+    shape computations, so rotary tables, attention scales and mask constants of an exported
+    transformer keep their values, as they do in the PyTorch module."""
+    graph = model.graph
+    shape_only = _shape_only_readers(graph)
+    params: list[str] = []
+    left_out: dict[str, list[str]] = {key: [] for key in NOT_TRAINED_REASONS}
+    for tensor in graph.initializer:
+        name = tensor.name
+        if tensor.data_type not in FLOAT_TYPES:
+            reason = "integer"
+        elif len(tensor.dims) == 0:
+            reason = "scalar"
+        elif any(fnmatch.fnmatchcase(name, p) for p in EXPORTER_CONSTANT_NAMES):
+            reason = "exporter"
+        elif name in shape_only:
+            reason = "shape"
+        else:
+            params.append(name)
+            continue
+        left_out[reason].append(name)
+    return params, {k: v for k, v in left_out.items() if v}

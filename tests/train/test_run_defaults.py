@@ -1,0 +1,152 @@
+"""`graphopt run` defaults a user does not have to think about: what is trained (parameters,
+not exporter constants), --list-params, float16 models, and a warning when the trained
+weights would be thrown away."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from click.testing import CliRunner
+from onnx import TensorProto, helper, numpy_helper
+
+from graphopt.cli import main
+from graphopt.executor.train.precision import to_float16
+
+from .helpers import MLP, mlp_data, write_npz
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, ["run", *[str(a) for a in args]])
+
+
+def one_error_line(result) -> str:
+    assert result.exit_code == 1, (result.exit_code, result.output)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("graphopt: error: "), result.stderr
+    return lines[0]
+
+
+CONSTANTS = {
+    "val_35": np.array(4.0, np.float32),                    # a scalar (attention scale)
+    "onnx::Add_7": np.full([10], 0.5, np.float32),           # exporter-named constant
+    "Constant_3": np.full([10], 2.0, np.float32),            # exporter-named constant
+    "resize_scales": np.array([1.0, 1.0], np.float32),      # read only as a shape
+}
+
+
+def exported_like(tmp_path) -> str:
+    """The MLP fixture with the constants an exporter leaves behind on its output path."""
+    model = onnx.load(MLP)
+    graph = model.graph
+    out = graph.output[0].name
+    graph.node[-1].output[0] = "logits0"
+    graph.node.extend([
+        helper.make_node("Mul", ["logits0", "val_35"], ["logits1"]),
+        helper.make_node("Add", ["logits1", "onnx::Add_7"], ["logits2"]),
+        helper.make_node("Mul", ["logits2", "Constant_3"], ["logits3"]),
+        helper.make_node("Shape", ["logits3"], ["shape"]),
+        helper.make_node("Reshape", ["logits3", "shape"], [out]),
+        # a branch reading resize_scales only as Resize's scales: shape arithmetic
+        helper.make_node("Resize", ["logits3", "", "resize_scales"], ["resized"]),
+    ])
+    graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in CONSTANTS.items())
+    path = tmp_path / "exported.onnx"
+    onnx.save(model, path)
+    return str(path)
+
+
+# ---- 1: what is trained ------------------------------------------------------------------------
+def test_default_trains_parameters_not_exporter_constants(tmp_path):
+    model = exported_like(tmp_path)
+    data = write_npz(tmp_path / "d.npz", mlp_data())
+    out = tmp_path / "trained.onnx"
+    result = invoke(model, "--data", data, "--loss", "cross_entropy", "--batch-size", "4",
+                    "--steps", "3", "--lr", "0.05", "-o", out)
+    assert result.exit_code == 0, result.output
+    before = {t.name: numpy_helper.to_array(t) for t in onnx.load(model).graph.initializer}
+    after = {t.name: numpy_helper.to_array(t) for t in onnx.load(out).graph.initializer}
+    for name in CONSTANTS:   # kept exactly, as the PyTorch module keeps its buffers
+        np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+    for name in ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]:
+        assert not np.array_equal(after[name], before[name]), name
+    # printed before step 1: count, weights, names; and what was left out, with why
+    lines = result.stdout.splitlines()
+    trained = lines.index("trained: 4 tensors, 2,410 weights")
+    assert trained < next(i for i, line in enumerate(lines) if line.startswith("step 1/"))
+    assert lines[trained + 1].split()[0] == "fc1.weight"
+    left_out = next(line for line in lines if line.startswith("not trained: "))
+    assert "scalars (rank 0): val_35" in left_out
+    assert "exporter-generated constant names: onnx::Add_7, Constant_3" in left_out
+    assert "read only by shape computations: resize_scales" in left_out
+
+
+def test_list_params_prints_and_exits_without_data_or_training(tmp_path):
+    model = exported_like(tmp_path)
+    result = invoke(model, "--list-params")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[0] == "trained: 4 tensors, 2,410 weights"
+    assert "step 1" not in result.stdout and "== " not in result.stdout
+    result = invoke("--example", "mqa", "--list-params")
+    assert result.stdout.splitlines()[0].startswith("trained: 16 tensors")
+
+
+def test_train_and_freeze_override_the_default(tmp_path):
+    model = exported_like(tmp_path)
+    result = invoke(model, "--list-params", "--train", "val_35", "--freeze", "fc1.*")
+    assert result.exit_code == 0, result.output
+    names = [line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ")]
+    assert names == ["fc2.weight", "fc2.bias", "val_35"]
+    assert "--freeze: fc1.weight, fc1.bias" in result.stdout
+
+
+def test_model_of_constants_only_says_how_to_train_them():
+    from conftest import fixture_path
+
+    line = one_error_line(invoke(fixture_path("mqa_dynamo.onnx"), "--list-params"))
+    assert "nothing to train" in line and "--train PATTERN" in line and "val_0" in line
+
+
+# ---- 3: float16 models ----------------------------------------------------------------------------
+def test_float16_model_trains_in_mixed_precision_by_default(tmp_path):
+    model = tmp_path / "mlp16.onnx"
+    onnx.save(to_float16(onnx.load(MLP), keep_outputs_fp32=False), model)
+    data = write_npz(tmp_path / "d.npz", mlp_data())
+    out = tmp_path / "trained16.onnx"
+    graph = tmp_path / "train.onnx"
+    result = invoke(model, "--data", data, "--loss", "cross_entropy", "--batch-size", "4",
+                    "--steps", "3", "-o", out, "--save-graph", graph)
+    assert result.exit_code == 0, result.output
+    assert "training with --precision mixed" in result.stdout
+    assert "precision mixed" in result.stdout
+    trained = onnx.load(out)
+    assert {t.data_type for t in trained.graph.initializer} == {TensorProto.FLOAT16}
+    # the loss is computed in float32, as for a float32 model trained in mixed precision
+    training = onnx.load(graph)
+    loss = next(n for n in training.graph.node if n.op_type == "SoftmaxCrossEntropyLoss")
+    cast = next(n for n in training.graph.node if n.output[0] == loss.input[0])
+    assert cast.op_type == "Cast"
+    assert next(a.i for a in cast.attribute if a.name == "to") == TensorProto.FLOAT
+
+
+def test_float16_model_with_fp32_precision_says_what_to_use(tmp_path):
+    model = tmp_path / "mlp16.onnx"
+    onnx.save(to_float16(onnx.load(MLP), keep_outputs_fp32=False), model)
+    data = write_npz(tmp_path / "d.npz", mlp_data())
+    line = one_error_line(invoke(model, "--data", data, "--loss", "cross_entropy",
+                                 "--batch-size", "4", "--steps", "1", "--precision", "fp32"))
+    assert "--precision mixed" in line
+
+
+# ---- 4: weights thrown away -----------------------------------------------------------------------
+WARNING = "warning: the trained weights will not be saved"
+
+
+def test_warns_at_the_start_when_nothing_will_be_saved(tmp_path):
+    data = write_npz(tmp_path / "d.npz", mlp_data())
+    args = [MLP, "--data", data, "--loss", "cross_entropy", "--batch-size", "4", "--steps", "1"]
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    first = result.stdout.splitlines()[0]
+    assert first.startswith(WARNING) and "./graphopt-checkpoint/" in first
+    for extra in (["-o", tmp_path / "m.onnx"], ["--checkpoint", tmp_path / "ck"]):
+        result = invoke(*args, *extra)
+        assert result.exit_code == 0 and WARNING not in result.output
