@@ -105,7 +105,7 @@ def test_model_of_constants_only_says_how_to_train_them():
     assert "nothing to train" in line and "--train PATTERN" in line and "val_0" in line
 
 
-# ---- 3: float16 models ----------------------------------------------------------------------------
+# ---- 3: float16 models ---------------------------------------------------------------------
 def test_float16_model_trains_in_mixed_precision_by_default(tmp_path):
     model = tmp_path / "mlp16.onnx"
     onnx.save(to_float16(onnx.load(MLP), keep_outputs_fp32=False), model)
@@ -136,7 +136,7 @@ def test_float16_model_with_fp32_precision_says_what_to_use(tmp_path):
     assert "--precision mixed" in line
 
 
-# ---- 4: weights thrown away -----------------------------------------------------------------------
+# ---- 4: weights thrown away ----------------------------------------------------------------
 WARNING = "warning: the trained weights will not be saved"
 
 
