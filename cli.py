@@ -221,15 +221,16 @@ def list_rules():
 @click.option("--list-params", is_flag=True,
               help="Print what would be trained (and what not, and why), then exit.")
 @click.option("--disable", multiple=True, metavar="RULE", help="Do not run this rule.")
-@click.option("--seed", type=int, default=0, show_default=True,
-              help="Data order and dropout seed.")
+@click.option("--seed", type=int, help="Data order and dropout seed (default 0).")
 @click.option("--save-graph", type=click.Path(path_type=str), metavar="FILE.onnx",
               help="Write the rewritten training graph.")
 @click.option("--checkpoint", type=click.Path(file_okay=False, path_type=str), metavar="DIR",
               help="Save checkpoints here (each epoch, at the end, and on Ctrl-C).")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), metavar="N",
               help="Checkpoint every N steps instead of every epoch.")
-@click.option("--resume", is_flag=True, help="Continue from the checkpoint in --checkpoint DIR.")
+@click.option("--resume", is_flag=True,
+              help="Continue the run saved in --checkpoint DIR, with its settings (give "
+                   "--steps/--epochs to train longer).")
 @click.option("--log", "log_file", type=click.Path(path_type=str), metavar="FILE",
               help="Per-step log, FILE.csv or FILE.jsonl.")
 @click.option("--plot", type=click.Path(path_type=str), metavar="FILE.png",

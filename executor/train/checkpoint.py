@@ -51,6 +51,7 @@ class Checkpoint:
     data: dict                        # seed, size, batch_size, epoch, batch_in_epoch
     history: list[dict] = field(default_factory=list)
     precision: str = "fp32"
+    settings: dict = field(default_factory=dict)   # the run's options, for a bare --resume
 
 
 def path_in(directory: str) -> str:
@@ -70,6 +71,7 @@ def save(directory: str, checkpoint: Checkpoint) -> str:
     meta = {"format": FORMAT, "step": checkpoint.step, "optimizer": checkpoint.optimizer,
             "scaler": checkpoint.scaler, "data": checkpoint.data,
             "history": checkpoint.history, "precision": checkpoint.precision,
+            "settings": checkpoint.settings,
             "params": list(checkpoint.params),
             "optimizer_arrays": list(checkpoint.optimizer_arrays)}
     arrays = {f"param/{k}": v for k, v in checkpoint.params.items()}
@@ -127,6 +129,18 @@ def read_step(directory: str) -> int:
             return int(json.loads(str(archive["__meta__"]))["step"])
     except Exception as exc:  # noqa: BLE001 (any damage reads as "not readable")
         raise GraphoptError(f"{target}: not a readable checkpoint ({_why(exc)})") from None
+
+
+def read_settings(directory: str) -> dict:
+    """The run options saved with the checkpoint in ``directory`` (reads only its metadata);
+    {} when there is no checkpoint or it predates saved settings (``load`` says what is
+    wrong with a damaged one)."""
+    try:
+        with np.load(path_in(directory), allow_pickle=False) as archive:
+            settings = json.loads(str(archive["__meta__"])).get("settings")
+    except Exception:  # noqa: BLE001 (missing or damaged: load() reports it in one line)
+        return {}
+    return dict(settings) if isinstance(settings, dict) else {}
 
 
 def _remove_stale_temporaries(directory: str) -> None:
@@ -201,7 +215,8 @@ def load(directory: str) -> Checkpoint:
         checkpoint = Checkpoint(int(meta["step"]), {n: params[n] for n in names},  # model order
                                 dict(meta["optimizer"]), optimizer_arrays, dict(meta["scaler"]),
                                 dict(meta["data"]), list(meta.get("history", [])),
-                                str(meta.get("precision", "fp32")))
+                                str(meta.get("precision", "fp32")),
+                                dict(meta.get("settings") or {}))
     except GraphoptError:
         raise
     except Exception as exc:  # noqa: BLE001 (zip, npy, JSON, missing keys: all "damaged")

@@ -43,6 +43,7 @@ class LoopSettings:
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None   # steps; None: at the end of every epoch
     interrupt_dir: str | None = None      # where Ctrl-C saves without --checkpoint
+    run_settings: dict = field(default_factory=dict)   # saved in checkpoints (bare --resume)
 
 
 @dataclass
@@ -256,7 +257,8 @@ class Trainer:
             data={"seed": self.batches.seed, "size": self.batches.size,
                   "batch_size": self.batches.batch_size, "epoch": epoch,
                   "batch_in_epoch": index},
-            history=self.history, precision=self.settings.precision)
+            history=self.history, precision=self.settings.precision,
+            settings=self.settings.run_settings)
         self._last_checkpoint = ckpt.save(directory, state)
         self._checkpoint_step = self.step
         return self._last_checkpoint

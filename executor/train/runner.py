@@ -4,6 +4,7 @@ The CLI builds a :class:`RunOptions` and calls :func:`run`; tests and scripts ca
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -52,7 +53,7 @@ class RunOptions:
     freeze: tuple[str, ...] = ()
     train: tuple[str, ...] = ()
     disable: tuple[str, ...] = ()         # rule names (the benchmark disables the Split fusion)
-    seed: int = 0
+    seed: int | None = None               # None: 0, or the checkpoint's with --resume
     save_graph: str | None = None
     checkpoint: str | None = None
     checkpoint_every: int | None = None
@@ -183,6 +184,10 @@ def _run(opts: RunOptions, echo, progress_stream, after_step,
     say = (lambda _text: None) if opts.quiet else echo
     forward, arrays, defaults, source = _resolve_source(opts)
     _check_outputs(opts, source)
+    if opts.resume:
+        opts = _settings_from_checkpoint(opts)
+    if opts.seed is None:
+        opts = dataclasses.replace(opts, seed=0)
     precision, note = default_precision(forward, opts.precision)
     if note:
         say(f"note: {note}")
@@ -227,6 +232,8 @@ def _run(opts: RunOptions, echo, progress_stream, after_step,
     total = _total_steps(opts, defaults, batches)
     settings = LoopSettings(total, precision, opts.seed, opts.checkpoint, opts.checkpoint_every,
                             INTERRUPT_DIR)
+    settings.run_settings = _settings_record(opts, loss, labels, optimizer, precision,
+                                             batches.batch_size, total)
     log = StepLog(opts.log, append=opts.resume) if opts.log and writer else None
     progress = None if opts.quiet or not writer else Progress(
         total, unit="samples", stream=progress_stream, echo=echo)
@@ -245,6 +252,11 @@ def _run(opts: RunOptions, echo, progress_stream, after_step,
         if progress is not None:
             progress.start = trainer.step
         say(f"resumed from {ckpt.path_in(opts.checkpoint)} at step {trainer.step}")
+        if trainer.step >= total:
+            raise GraphoptError(
+                f"--resume: the checkpoint in {opts.checkpoint} is at step {trainer.step} and "
+                f"this run is {total} steps long: nothing left to train; pass --steps N with "
+                f"N > {trainer.step} (or more --epochs) to train on")
     if not has_yield(forward):
         for line in describe_params(forward, graph.params, opts.freeze, opts.train):
             say(line)
@@ -264,6 +276,58 @@ def _run(opts: RunOptions, echo, progress_stream, after_step,
     if writer:
         _finish(opts, outcome, say, echo)
     return outcome
+
+
+# Options a checkpoint keeps: a bare ``--resume`` continues the same run; one given again with
+# another value is an error (the length, --steps/--epochs, may change: that trains on).
+RESUMED = ("loss", "labels", "optimizer", "lr", "weight_decay", "precision", "loss_scale",
+           "batch_size", "seed", "freeze", "train", "ignore_index", "lr_schedule", "warmup",
+           "clip_grad_norm")
+
+
+def _settings_record(opts: RunOptions, loss, labels, optimizer, precision: str,
+                     batch_size: int, total: int) -> dict:
+    record = {"loss": loss, "labels": labels, "optimizer": optimizer.name, "lr": optimizer.lr,
+              "weight_decay": optimizer.weight_decay, "precision": precision,
+              "loss_scale": opts.loss_scale, "batch_size": batch_size, "seed": opts.seed,
+              "freeze": list(opts.freeze), "train": list(opts.train), "steps": total}
+    for key in RESUMED:
+        if key not in record and getattr(opts, key, None) is not None:
+            record[key] = getattr(opts, key)
+    return record
+
+
+def _settings_from_checkpoint(opts: RunOptions) -> RunOptions:
+    """Fill the options left out from the checkpoint's; one error listing every option given
+    with a value different from the checkpoint's."""
+    saved = ckpt.read_settings(opts.checkpoint)
+    if not saved:
+        return opts   # no checkpoint, or an older one: resume_from checks what it can
+    values, differ = {}, []
+    for key in RESUMED:
+        if key not in saved or not hasattr(opts, key):
+            continue
+        given, stored = getattr(opts, key), saved[key]
+        if isinstance(stored, list):
+            stored = tuple(stored)
+        if given is None or given == ():
+            values[key] = stored
+        elif (tuple(given) if isinstance(given, list) else given) != stored:
+            flag = "--" + key.replace("_", "-")
+            differ.append(f"{flag} {_shown(given)} (the checkpoint's run: {_shown(stored)})")
+    if differ:
+        raise GraphoptError(f"--resume continues the run saved in {opts.checkpoint}, but "
+                            f"{'; '.join(differ)}; leave these options out to continue it")
+    if opts.steps is None and opts.epochs is None and saved.get("steps"):
+        values["steps"] = int(saved["steps"])
+    return dataclasses.replace(opts, **values)
+
+
+def _shown(value) -> str:
+    if isinstance(value, (tuple, list)):
+        return " ".join(map(str, value)) or "(none)"
+    return "(default)" if value is None else f"{value:g}" if isinstance(value, float) \
+        else str(value)
 
 
 def _warn_if_nothing_saved(opts: RunOptions, writer: bool, echo) -> None:
