@@ -193,6 +193,10 @@ def list_rules():
 @click.option("--loss", metavar="KIND|OUTPUT",
               help="cross_entropy, mse, output, or the name of a scalar graph output.")
 @click.option("--labels", metavar="NAME", help="Name of the labels input cross_entropy/mse add.")
+@click.option("--ignore-index", type=int, metavar="N",
+              help="cross_entropy: labels equal to N do not count (default -100, as PyTorch; "
+                   "padding in language-model batches). The class axis of the logits is the "
+                   "one whose removal gives the labels' shape.")
 @click.option("--steps", type=int, help="Number of optimizer steps.")
 @click.option("--epochs", type=int, help="Number of passes over the data (instead of --steps).")
 @click.option("--batch-size", type=int, help="Samples per step (default 32).")
@@ -259,7 +263,7 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
         weight_decay, precision, loss_scale, device, numerics, level, freeze, train_, disable,
         seed, save_graph, checkpoint, checkpoint_every, resume, log_file, plot, denormal_report,
         output, in_place, quiet, distributed, bucket_mb, dist_timeout, dist_check_every,
-        dist_overlap, list_params):
+        dist_overlap, list_params, ignore_index):
     """Train MODEL (or a built-in --example) with the graphopt executor.
 
     \b
@@ -280,7 +284,7 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
         checkpoint_every=checkpoint_every, resume=resume, log=log_file, plot=plot,
         denormal_report=denormal_report, output=output, overwrite_input=in_place, quiet=quiet,
         distributed=distributed, bucket_mb=bucket_mb, dist_timeout=dist_timeout,
-        dist_check_every=dist_check_every, dist_overlap=dist_overlap)
+        dist_check_every=dist_check_every, dist_overlap=dist_overlap, ignore_index=ignore_index)
     if list_params:
         print_params(options, echo=click.echo)
         return

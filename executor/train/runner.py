@@ -65,6 +65,7 @@ class RunOptions:
     overwrite_input: bool = False
     quiet: bool = False
     list_params: bool = False             # print what would be trained, then stop
+    ignore_index: int | None = None       # cross_entropy labels not counted (None: -100)
     # data parallel (issue 8; see .distributed): None means the default
     distributed: bool = False
     bucket_mb: float | None = None        # MiB per gradient all-reduce bucket (25)
@@ -199,7 +200,9 @@ def _run(opts: RunOptions, echo, progress_stream, after_step,
     labels = opts.labels if opts.labels is not None else defaults.get("labels")
 
     graph = build(forward, loss=loss, labels=labels, freeze=opts.freeze, train=opts.train,
-                  level=opts.level, precision=precision, disable=opts.disable)
+                  level=opts.level, precision=precision, disable=opts.disable,
+                  label_shapes={k: np.shape(v) for k, v in arrays.items()},
+                  ignore_index=-100 if opts.ignore_index is None else opts.ignore_index)
     for title, report in graph.reports:
         say(f"== {title}")
         say(report.format_table())
@@ -290,7 +293,8 @@ def _settings_record(opts: RunOptions, loss, labels, optimizer, precision: str,
     record = {"loss": loss, "labels": labels, "optimizer": optimizer.name, "lr": optimizer.lr,
               "weight_decay": optimizer.weight_decay, "precision": precision,
               "loss_scale": opts.loss_scale, "batch_size": batch_size, "seed": opts.seed,
-              "freeze": list(opts.freeze), "train": list(opts.train), "steps": total}
+              "freeze": list(opts.freeze), "train": list(opts.train), "steps": total,
+              "ignore_index": -100 if opts.ignore_index is None else opts.ignore_index}
     for key in RESUMED:
         if key not in record and getattr(opts, key, None) is not None:
             record[key] = getattr(opts, key)

@@ -27,6 +27,7 @@ from graphopt.errors import GraphoptError
 from graphopt.ir import MS_DOMAIN, normalize_domain
 from graphopt.report import Report
 from graphopt.training import build_training_graph
+from graphopt.training.losses import DEFAULT_LABELS, class_axis_for
 from graphopt.training.selection import (
     NOT_TRAINED_REASONS,
     classify_initializers,
@@ -84,7 +85,10 @@ def _with_weights_as_inputs(model: onnx.ModelProto, params: list[str]) -> onnx.M
 
 def build(forward: onnx.ModelProto, *, loss: str | None = None, labels: str | None = None,
           freeze=(), train=(), level: int = 2, precision: str = "fp32",
-          disable: tuple[str, ...] = ()) -> TrainingGraph:
+          disable: tuple[str, ...] = (), label_shapes: dict | None = None,
+          ignore_index: int | None = None) -> TrainingGraph:
+    """``label_shapes``: the data's array shapes by name, to find the logits' class axis
+    for cross_entropy; ``ignore_index``: the label value cross_entropy ignores."""
     reports: list[tuple[str, Report]] = []
     if has_yield(forward):
         if loss is not None or labels or freeze or train:
@@ -100,12 +104,25 @@ def build(forward: onnx.ModelProto, *, loss: str | None = None, labels: str | No
         if precision != "fp32":
             staged = to_float16(staged)
         arguments = _loss_arguments(loss, [o.name for o in forward.graph.output])
+        if loss == "cross_entropy":
+            arguments.update(_cross_entropy_layout(forward, labels, label_shapes or {}),
+                             ignore_index=ignore_index)
         training = build_training_graph(staged, labels_name=labels, train=params,
                                         trainable=params, **arguments)
     training, report = graphopt.optimize(training, level=level, disable=list(disable),
                                          check_input=False)
     reports.append((f"training graph, level {level}", report))
     return _describe(training, forward, reports)
+
+
+def _cross_entropy_layout(forward: onnx.ModelProto, labels: str | None, shapes: dict) -> dict:
+    """The class axis of the logits, from the labels the data holds (HF causal LMs give
+    [batch, seq, vocab] logits for [batch, seq] labels: the last axis)."""
+    name = labels or DEFAULT_LABELS["cross_entropy"]
+    outputs = list(forward.graph.output)
+    if len(outputs) != 1 or name not in shapes:
+        return {}
+    return {"class_axis": class_axis_for(outputs[0], tuple(shapes[name]), name)}
 
 
 def _describe(training: onnx.ModelProto, forward: onnx.ModelProto,

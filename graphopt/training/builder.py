@@ -36,7 +36,8 @@ def build_training_graph(model: onnx.ModelProto | str | os.PathLike, loss: str |
                          outputs: Patterns = None, keep_outputs: Patterns = (),
                          labels_name: str | None = None, trainable: Patterns = None,
                          freeze: Patterns = (), train: Patterns = (), input_grads: Patterns = (),
-                         weights_as_inputs: bool = True) -> onnx.ModelProto:
+                         weights_as_inputs: bool = True, class_axis: int | None = None,
+                         ignore_index: int | None = None) -> onnx.ModelProto:
     """Build the training graph of a forward model (a ModelProto, left untouched, or a path).
 
     ``loss``: None (the model's scalar output ``outputs`` is the loss), "output" (the
@@ -47,6 +48,8 @@ def build_training_graph(model: onnx.ModelProto | str | os.PathLike, loss: str |
     ``trainable``/``freeze``/``train``: names or fnmatch patterns of initializers; all
     floating-point initializers by default, see :mod:`.selection`.
     ``input_grads``: graph inputs (names or patterns) that also get a gradient output.
+    ``class_axis``/``ignore_index`` (cross_entropy): the logits' class axis (default 1; see
+    :func:`.losses.class_axis_for`) and the label value that does not count.
     ``weights_as_inputs``: list the trainable initializers as graph inputs too (with their
     values as defaults), as ORTModule does, so a training loop can feed updated weights and
     constant-folding rewrites leave them alone.
@@ -66,7 +69,8 @@ def build_training_graph(model: onnx.ModelProto | str | os.PathLike, loss: str |
         return proto
     graph = proto.graph
     names = Model(proto).names
-    head = attach_loss(proto, loss, outputs, keep_outputs, labels_name, names)
+    head = attach_loss(proto, loss, outputs, keep_outputs, labels_name, names, class_axis,
+                       ignore_index)
 
     params = select_trainable([(t.name, t.data_type) for t in graph.initializer],
                               trainable, freeze, train)

@@ -43,7 +43,8 @@ class LossHead:
 
 def attach_loss(model: onnx.ModelProto, loss: str | None, outputs: Patterns,
                 keep_outputs: Patterns, labels_name: str | None,
-                names: NameGenerator) -> LossHead:
+                names: NameGenerator, class_axis: int | None = None,
+                ignore_index: int | None = None) -> LossHead:
     """Append the loss nodes (and the labels input) to ``model``; say what YieldOp gets."""
     if loss not in LOSSES:
         raise GraphoptError(f"unknown loss {loss!r}; choose one of {', '.join(map(repr, LOSSES))}")
@@ -76,8 +77,11 @@ def attach_loss(model: onnx.ModelProto, loss: str | None, outputs: Patterns,
             if labels in names.used:
                 raise GraphoptError(f"labels_name {labels!r} is already a name in the model")
             names.used.add(labels)
-            build = _cross_entropy if loss == "cross_entropy" else _mean_squared_error
-            differentiable = [build(graph, declared[target], labels, names)]
+            if loss == "cross_entropy":
+                differentiable = [_cross_entropy(graph, declared[target], labels, names,
+                                                 class_axis, ignore_index)]
+            else:
+                differentiable = [_mean_squared_error(graph, declared[target], labels, names)]
         passthrough = []
     passthrough += [n for n in as_patterns(keep_outputs) if n not in differentiable + passthrough]
     return LossHead(differentiable, passthrough)
@@ -98,23 +102,70 @@ def _check_scalar(output: onnx.ValueInfoProto) -> None:
             "train against a module output with a gradient fed from outside")
 
 
-def _shape_without_class_axis(logits: onnx.ValueInfoProto) -> list | None:
-    tensor_type = logits.type.tensor_type
+def _dims(value: onnx.ValueInfoProto) -> list | None:
+    tensor_type = value.type.tensor_type
     if not tensor_type.HasField("shape"):
         return None
-    dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
             for d in tensor_type.shape.dim]
-    return dims[:1] + dims[2:]  # SoftmaxCrossEntropyLoss: classes on axis 1
+
+
+def _shape_without_class_axis(logits: onnx.ValueInfoProto, axis: int = 1) -> list | None:
+    dims = _dims(logits)
+    if dims is None:
+        return None
+    return dims[:axis] + dims[axis + 1:]  # SoftmaxCrossEntropyLoss: classes on axis 1
+
+
+def class_axis_for(logits: onnx.ValueInfoProto, labels_shape: tuple[int, ...],
+                   labels_name: str = "labels") -> int:
+    """The class axis of ``logits`` given the labels' shape (batch axis included): the axis
+    whose removal leaves the labels' shape. Axis 1 (ONNX's and PyTorch's layout) wins a
+    tie; language models give [batch, seq, vocab] with labels [batch, seq]: the last axis."""
+    dims = _dims(logits)
+    if dims is None or len(dims) < 2:
+        return 1
+    labels_shape = tuple(labels_shape)
+
+    def fits(axis: int) -> bool:
+        rest = dims[:axis] + dims[axis + 1:]
+        return len(rest) == len(labels_shape) and all(
+            not isinstance(d, int) or d == n or i == 0   # the batch axis is cut into batches
+            for i, (d, n) in enumerate(zip(rest, labels_shape, strict=True)))
+
+    candidates = [axis for axis in range(1, len(dims)) if fits(axis)]
+    if candidates:
+        return 1 if 1 in candidates else candidates[0]
+
+    def shown(values) -> str:
+        return "[" + ", ".join("batch" if i == 0 else str(v if v is not None else "?")
+                               for i, v in enumerate(values)) + "]"
+
+    layouts = [f"{shown(dims[:a] + dims[a + 1:])} (classes on axis {a})"
+               for a in sorted({1, len(dims) - 1})]
+    raise GraphoptError(f"cross_entropy: the logits {logits.name!r} are {shown(dims)} and the "
+                        f"labels {labels_name!r} {shown(labels_shape)}; the labels must be the "
+                        f"logits' shape without the class axis: {' or '.join(layouts)}")
 
 
 def _cross_entropy(graph: onnx.GraphProto, logits: onnx.ValueInfoProto, labels: str,
-                   names: NameGenerator) -> str:
+                   names: NameGenerator, class_axis: int | None = None,
+                   ignore_index: int | None = None) -> str:
+    axis = class_axis or 1
     graph.input.append(helper.make_tensor_value_info(labels, onnx.TensorProto.INT64,
-                                                     _shape_without_class_axis(logits)))
+                                                     _shape_without_class_axis(logits, axis)))
+    scores = logits.name
+    if axis != 1:   # SoftmaxCrossEntropyLoss wants the classes on axis 1: move them there
+        rank = len(_dims(logits) or [])
+        perm = [0, axis] + [a for a in range(1, rank) if a != axis]
+        scores = names.fresh(f"{logits.name}/classes_on_axis_1")
+        graph.node.append(helper.make_node("Transpose", [logits.name], [scores], perm=perm,
+                                           name=names.fresh("cross_entropy/Transpose")))
     loss = names.fresh("loss")
-    graph.node.append(helper.make_node("SoftmaxCrossEntropyLoss", [logits.name, labels], [loss],
+    extra = {} if ignore_index is None else {"ignore_index": int(ignore_index)}
+    graph.node.append(helper.make_node("SoftmaxCrossEntropyLoss", [scores, labels], [loss],
                                        name=names.fresh("SoftmaxCrossEntropyLoss"),
-                                       reduction="mean"))
+                                       reduction="mean", **extra))
     return loss
 
 
