@@ -149,8 +149,44 @@ def _pick(opts: RunOptions, defaults: dict, name: str):
     return defaults.get(name, DEFAULTS.get(name))
 
 
+# (size, rank) variables MPI launchers set in every process they start: Open MPI, MPICH
+# and Intel MPI (Hydra, PMI), MVAPICH2, Slurm's srun (job steps only).
+LAUNCHER_VARIABLES = (("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
+                      ("PMI_SIZE", "PMI_RANK"), ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK"),
+                      ("SLURM_STEP_NUM_TASKS", "SLURM_PROCID"))
+
+
+def launched_ranks(environ=None) -> tuple[int, int, str] | None:
+    """(ranks, this rank, the variable that says so) when an MPI launcher started several
+    copies of this process; None for a single process."""
+    environ = os.environ if environ is None else environ
+    for size_name, rank_name in LAUNCHER_VARIABLES:
+        size, rank = environ.get(size_name, ""), environ.get(rank_name, "0")
+        if size.isdigit() and int(size) > 1:
+            return int(size), int(rank) if rank.isdigit() else 0, f"{size_name}={size}"
+    return None
+
+
+def _refuse_copies_without_distributed(opts: RunOptions) -> None:
+    """``mpiexec -n 4 graphopt run`` without --distributed would train four unrelated copies
+    with interleaved output and four writers of the same files: refuse. Rank 0 says why;
+    the other ranks exit 1 quietly, so the user reads one line."""
+    if opts.distributed or opts.list_params:
+        return
+    found = launched_ranks()
+    if found is None:
+        return
+    size, rank, variable = found
+    if rank != 0:
+        raise SystemExit(1)
+    raise GraphoptError(f"started as {size} processes by an MPI launcher ({variable}) without "
+                        f"--distributed: each would train its own copy; add --distributed to "
+                        f"train data-parallel, or run one process")
+
+
 def run(opts: RunOptions, echo: Callable[[str], None] = print, *, progress_stream=None,
         after_step=None) -> RunOutcome:
+    _refuse_copies_without_distributed(opts)
     dist = distributed.start(opts.distributed, opts.bucket_mb, opts.dist_timeout,
                              opts.dist_check_every, opts.dist_overlap)
     if dist is None:
