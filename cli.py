@@ -205,6 +205,16 @@ def list_rules():
 @click.option("--lr", type=float, help="Learning rate (default 1e-3).")
 @click.option("--weight-decay", type=float,
               help="L2 for sgd/momentum (default 0), decoupled for adamw (default 0.01).")
+@click.option("--lr-schedule", type=click.Choice(["constant", "linear", "cosine"]),
+              help="Learning-rate schedule after --warmup (default constant), as transformers'.")
+@click.option("--warmup", type=click.IntRange(min=0), metavar="N",
+              help="Raise the learning rate linearly from 0 over the first N steps.")
+@click.option("--clip-grad-norm", type=float, metavar="MAX",
+              help="Scale the gradients down when their global L2 norm exceeds MAX.")
+@click.option("--eval-data", type=click.Path(path_type=str), metavar="FILE.npz",
+              help="Held-out arrays: their mean loss is logged, printed and plotted.")
+@click.option("--eval-every", type=click.IntRange(min=1), metavar="N",
+              help="Evaluate every N steps (default: every epoch, and at the end).")
 @click.option("--precision", type=click.Choice(["fp32", "mixed", "fp16"]),
               help="mixed: FP16 compute, FP32 master weights; fp16: FP16 master weights too "
                    "(default: fp32, mixed for a float16 model).")
@@ -237,8 +247,9 @@ def list_rules():
                    "--steps/--epochs to train longer).")
 @click.option("--log", "log_file", type=click.Path(path_type=str), metavar="FILE",
               help="Per-step log, FILE.csv or FILE.jsonl.")
-@click.option("--plot", type=click.Path(path_type=str), metavar="FILE.png",
-              help="Loss curve (needs matplotlib).")
+@click.option("--plot", type=click.Path(path_type=str), metavar="FILE.png|svg|pdf",
+              help="Loss curves, raw and smoothed, and the held-out loss; the format follows "
+                   "the extension (needs matplotlib).")
 @click.option("--denormal-report", is_flag=False, flag_value="-", default=None,
               metavar="[FILE.json]",
               help="Print the nodes with the most FP16 denormals; also write JSON to FILE.")
@@ -263,7 +274,8 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
         weight_decay, precision, loss_scale, device, numerics, level, freeze, train_, disable,
         seed, save_graph, checkpoint, checkpoint_every, resume, log_file, plot, denormal_report,
         output, in_place, quiet, distributed, bucket_mb, dist_timeout, dist_check_every,
-        dist_overlap, list_params, ignore_index):
+        dist_overlap, list_params, ignore_index, lr_schedule, warmup, clip_grad_norm,
+        eval_data, eval_every):
     """Train MODEL (or a built-in --example) with the graphopt executor.
 
     \b
@@ -284,7 +296,9 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
         checkpoint_every=checkpoint_every, resume=resume, log=log_file, plot=plot,
         denormal_report=denormal_report, output=output, overwrite_input=in_place, quiet=quiet,
         distributed=distributed, bucket_mb=bucket_mb, dist_timeout=dist_timeout,
-        dist_check_every=dist_check_every, dist_overlap=dist_overlap, ignore_index=ignore_index)
+        dist_check_every=dist_check_every, dist_overlap=dist_overlap, ignore_index=ignore_index,
+        lr_schedule=lr_schedule, warmup=warmup, clip_grad_norm=clip_grad_norm,
+        eval_data=eval_data, eval_every=eval_every)
     if list_params:
         print_params(options, echo=click.echo)
         return

@@ -41,7 +41,35 @@ def require_matplotlib() -> None:
                             "(or pip install matplotlib)") from None
 
 
+PLOT_FORMATS = ("png", "svg", "pdf")
+SMOOTHING = 0.9   # TensorBoard-style exponential moving average weight
+
+
+def plot_format(path: str) -> str:
+    """The file format --plot writes, from the file name's extension."""
+    ext = os.path.splitext(path)[1].lower().lstrip(".")
+    if ext not in PLOT_FORMATS:
+        raise GraphoptError(f"--plot {path}: use a .png, .svg or .pdf file name (the format "
+                            "follows the extension)")
+    return ext
+
+
+def smoothed(values: list[float], weight: float = SMOOTHING) -> list[float]:
+    """Debiased exponential moving average (TensorBoard's smoothing), non-finite values
+    skipped."""
+    out, average, count = [], 0.0, 0
+    for value in values:
+        if np.isfinite(value):
+            average = weight * average + (1.0 - weight) * value
+            count += 1
+        out.append(average / (1.0 - weight ** count) if count else float("nan"))
+    return out
+
+
 def plot_losses(history: list[dict], path: str, title: str) -> None:
+    """Raw training loss as faint points, its smoothed curve over them, the held-out loss
+    where evaluated, and skipped steps in red; written in the extension's format."""
+    fmt = plot_format(path)
     require_matplotlib()
     import matplotlib
 
@@ -51,18 +79,26 @@ def plot_losses(history: list[dict], path: str, title: str) -> None:
     steps = [r["step"] for r in history]
     losses = [r["loss"] for r in history]
     figure, axes = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    axes.plot(steps, losses, linewidth=1.0)
+    axes.plot(steps, losses, linestyle="none", marker=".", markersize=3, alpha=0.35,
+              color="tab:blue", label="training loss (each step)")
+    axes.plot(steps, smoothed(losses), linewidth=1.5, color="tab:blue",
+              label=f"training loss (smoothed, EMA {SMOOTHING:g})")
+    evaluated = [r for r in history if r.get("eval_loss") is not None]
+    if evaluated:
+        axes.plot([r["step"] for r in evaluated], [r["eval_loss"] for r in evaluated],
+                  marker="o", markersize=4, linewidth=1.2, color="tab:orange",
+                  label="held-out loss")
     skipped = [r["step"] for r in history if not r.get("applied", True)]
     if skipped:
         axes.scatter(skipped, [losses[s - steps[0]] for s in skipped], s=8, color="red",
-                     label=f"skipped (overflow): {len(skipped)}")
-        axes.legend()
+                     label=f"skipped (overflow): {len(skipped)}", zorder=3)
+    axes.legend(fontsize=8)
     axes.set_xlabel("step")
-    axes.set_ylabel("training loss")
-    axes.set_title(title)
+    axes.set_ylabel("loss")
+    axes.set_title(title, fontsize=9)
     axes.grid(alpha=0.3)
     figure.tight_layout()
-    tmp = f"{path}.tmp-{os.getpid()}.png"
-    figure.savefig(tmp)
+    tmp = f"{path}.tmp-{os.getpid()}.{fmt}"
+    figure.savefig(tmp, format=fmt)
     plt.close(figure)
     os.replace(tmp, path)

@@ -32,6 +32,7 @@ from .loss_scaling import LossScaler
 from .optimizers import Optimizer, to_host
 from .precision import compute_dtype, master_dtype
 from .progress import Progress, StepLog
+from .schedule import clip_coefficient, lr_factor
 from .training_graph import TrainingGraph
 
 
@@ -44,6 +45,10 @@ class LoopSettings:
     checkpoint_every: int | None = None   # steps; None: at the end of every epoch
     interrupt_dir: str | None = None      # where Ctrl-C saves without --checkpoint
     run_settings: dict = field(default_factory=dict)   # saved in checkpoints (bare --resume)
+    lr_schedule: str = "constant"         # see .schedule
+    warmup: int = 0
+    clip_grad_norm: float | None = None   # max global L2 norm of the gradients
+    eval_every: int | None = None         # steps; None: at the end of every epoch
 
 
 @dataclass
@@ -186,6 +191,7 @@ class Trainer:
         self.nonfinite: dict[str, int] = {}       # skipped non-finite steps per kind
         self._reported: set[str] = set()          # kinds already reported in this process
         self.stop_flag: StopFlag | None = None   # set while run() runs
+        self.eval_batches: list[dict] = []        # --eval-data, cut into batches
 
     # -- setup --------------------------------------------------------------------------------
     def _placed(self, params: dict) -> dict:
@@ -307,17 +313,52 @@ class Trainer:
                           + f"; step skipped, loss scale {scale_used:g} -> "
                           f"{self.scaler.scale:g} (later non-finite {kind} steps are skipped "
                           "and counted, not reported)")
+        settings = self.settings
+        factor = lr_factor(settings.lr_schedule, step, settings.total_steps, settings.warmup)
+        norm = None
+        if settings.clip_grad_norm is not None and kind is None:
+            norm = float(np.sqrt(sum(float(np.dot(g.ravel(), g.ravel())) for g in grads.values())))
+            coefficient = clip_coefficient(norm, settings.clip_grad_norm)
+            if coefficient < 1.0:
+                for grad in grads.values():
+                    grad *= np.float32(coefficient)
         if applied:
-            self.optimizer.step(self.params, grads)
+            self.optimizer.step(self.params, grads, factor)
         self.step += 1
         epoch, _ = self.batches.position(step)
         record = {"step": self.step, "epoch": epoch, "loss": loss, "loss_scale": scale_used,
                   "skipped": self.scaler.skipped, "applied": applied,
                   "seconds": round(time.perf_counter() - started, 6)}
+        if settings.lr_schedule != "constant" or settings.warmup:
+            record["lr"] = self.optimizer.lr * factor
+        if norm is not None:
+            record["grad_norm"] = norm
         if kind is not None:
             record["nonfinite"] = kind
         self.history.append(record)
         return record
+
+    # -- evaluation ---------------------------------------------------------------------------
+    def _eval_due(self) -> bool:
+        if not self.eval_batches:
+            return False
+        every = self.settings.eval_every
+        due = self.step % every == 0 if every else \
+            self.step % self.batches.steps_per_epoch == 0
+        return due or self.step == self.settings.total_steps
+
+    def evaluate(self) -> float:
+        """Mean loss over the held-out batches with the current weights (the forward part
+        of the graph only: nothing is differentiated or updated)."""
+        total = 0.0
+        for feeds in self.eval_batches:
+            feeds = dict(feeds)
+            for name, value in self.params.items():
+                feeds[name] = value.astype(self.compute_dtype, copy=False)
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                out = self.session.run(feeds, list(self.graph.losses))
+            total += float(sum(np.sum(out[n], dtype=np.float64) for n in self.graph.losses))
+        return total / len(self.eval_batches)
 
     # -- non-finite steps -------------------------------------------------------------------
     def _fault_message(self, step: int, kind: str, loss: float, grads: dict, feeds: dict
@@ -386,6 +427,11 @@ class Trainer:
                 self.stop_flag = stop
                 while self.step < settings.total_steps:
                     record = self.train_step()
+                    if self._eval_due():
+                        record["eval_loss"] = self.evaluate()
+                        if self.progress is not None:
+                            self.progress.note(f"step {self.step}: eval loss "
+                                               f"{record['eval_loss']:.4f}")
                     if self.log is not None:
                         self.log.write(record)
                     if self.progress is not None:

@@ -33,14 +33,21 @@ class Optimizer:
         self.steps = 0  # updates applied (skipped loss-scale steps do not count)
         self.slots: dict[str, dict[str, np.ndarray]] = {}
 
-    def step(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray]) -> None:
+    def step(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray],
+             lr_factor: float = 1.0) -> None:
+        """One update; ``lr_factor`` scales ``lr`` for this update only (a schedule)."""
         self.steps += 1
-        for name, param in params.items():
-            # the arithmetic runs in float32 whatever the master dtype ("fp16" precision
-            # keeps float16 masters: the rounding of the result is part of that experiment)
-            value = param.astype(np.float32)
-            self._update(name, value, grads[name].astype(np.float32, copy=False))
-            param[...] = value
+        base = self.lr
+        self.lr = base * lr_factor
+        try:
+            for name, param in params.items():
+                # the arithmetic runs in float32 whatever the master dtype ("fp16" precision
+                # keeps float16 masters: the rounding of the result is part of that experiment)
+                value = param.astype(np.float32)
+                self._update(name, value, grads[name].astype(np.float32, copy=False))
+                param[...] = value
+        finally:
+            self.lr = base
 
     def _update(self, name: str, param: np.ndarray, grad: np.ndarray) -> None:
         raise NotImplementedError

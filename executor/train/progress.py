@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 from graphopt.errors import GraphoptError
 
-LOG_FIELDS = ("step", "epoch", "loss", "loss_scale", "skipped", "applied", "seconds")
+LOG_FIELDS = ("step", "epoch", "loss", "loss_scale", "skipped", "applied", "seconds", "lr",
+              "grad_norm", "eval_loss")
 
 
 class Progress:

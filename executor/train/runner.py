@@ -21,12 +21,13 @@ from graphopt.executor.session import value_type
 from . import checkpoint as ckpt
 from . import distributed
 from .data import Batches, load_npz
-from .export import plot_losses, require_matplotlib, save_model, trained_model
+from .export import plot_format, plot_losses, require_matplotlib, save_model, trained_model
 from .loop import LoopSettings, NonFiniteError, Trainer, TrainResult
 from .loss_scaling import parse_loss_scale
 from .optimizers import make_optimizer
 from .precision import default_precision
 from .progress import Progress, StepLog
+from .schedule import check_schedule
 from .training_graph import TrainingGraph, build, describe_params, has_yield, trained_params
 
 INTERRUPT_DIR = "graphopt-checkpoint"
@@ -66,6 +67,11 @@ class RunOptions:
     quiet: bool = False
     list_params: bool = False             # print what would be trained, then stop
     ignore_index: int | None = None       # cross_entropy labels not counted (None: -100)
+    lr_schedule: str | None = None        # constant | linear | cosine (None: constant)
+    warmup: int | None = None             # steps of linear warmup from 0 (None: 0)
+    clip_grad_norm: float | None = None   # clip the gradients' global L2 norm to this
+    eval_data: str | None = None          # .npz of held-out data: its loss is logged, plotted
+    eval_every: int | None = None         # steps between evaluations (None: every epoch)
     # data parallel (issue 8; see .distributed): None means the default
     distributed: bool = False
     bucket_mb: float | None = None        # MiB per gradient all-reduce bucket (25)
@@ -81,6 +87,7 @@ class RunOutcome:
     session: Session
     forward: onnx.ModelProto
     written: list[str] = field(default_factory=list)
+    plot_title: str = ""
 
 
 DEFAULTS = {"batch_size": 32, "optimizer": "adamw", "lr": 1e-3}
@@ -121,6 +128,7 @@ def _check_outputs(opts: RunOptions, source) -> None:
     modelio.refuse_input_files(checkpoint, source, what="checkpoint")
     modelio.refuse_same_outputs({**outputs, "--checkpoint": checkpoint})
     if opts.plot:
+        plot_format(opts.plot)
         require_matplotlib()
     if opts.resume and not opts.checkpoint:
         raise GraphoptError("--resume needs --checkpoint DIR")
@@ -271,8 +279,15 @@ def _run(opts: RunOptions, echo, progress_stream, after_step,
     total = _total_steps(opts, defaults, batches)
     settings = LoopSettings(total, precision, opts.seed, opts.checkpoint, opts.checkpoint_every,
                             INTERRUPT_DIR)
+    schedule = opts.lr_schedule or "constant"
+    check_schedule(schedule, opts.warmup or 0, total)
+    if opts.clip_grad_norm is not None and not opts.clip_grad_norm > 0:
+        raise GraphoptError(f"--clip-grad-norm must be positive, not {opts.clip_grad_norm}")
+    settings.lr_schedule, settings.warmup = schedule, opts.warmup or 0
+    settings.clip_grad_norm, settings.eval_every = opts.clip_grad_norm, opts.eval_every
     settings.run_settings = _settings_record(opts, loss, labels, optimizer, precision,
                                              batches.batch_size, total)
+    eval_batches = _eval_batches(opts, graph, batches.batch_size, input_types)
     log = StepLog(opts.log, append=opts.resume) if opts.log and writer else None
     progress = None if opts.quiet or not writer else Progress(
         total, unit="samples", stream=progress_stream, echo=echo)
@@ -280,10 +295,12 @@ def _run(opts: RunOptions, echo, progress_stream, after_step,
     common = dict(progress=progress, log=log, echo=echo, after_step=after_step, warn=warn)
     if dist is None:
         trainer = Trainer(graph, session, batches, optimizer, scaler, settings, **common)
+        trainer.eval_batches = eval_batches
     else:
         trainer = distributed.DistributedTrainer(graph, session, batches, optimizer, scaler,
                                                  settings, comm=dist.comm, dist=dist.settings,
                                                  **common)
+        trainer.eval_batches = eval_batches   # every rank evaluates the whole held-out set
         trainer.check_same_settings(distributed.fingerprint(trainer, scaler.state()))
         say(trainer.describe())
     if opts.resume:
@@ -302,7 +319,8 @@ def _run(opts: RunOptions, echo, progress_stream, after_step,
     say(f"training {len(graph.params)} tensors "
         f"({sum(v.size for v in graph.initial.values()):,} weights) for {total} steps of "
         f"{batches.batch_size} ({batches.steps_per_epoch} steps per epoch); optimizer "
-        f"{optimizer.name} lr {optimizer.lr:g}; precision {precision}; loss scale "
+        f"{optimizer.name} lr {optimizer.lr:g}{_schedule_words(settings)}; precision "
+        f"{precision}; loss scale "
         f"{scaler.describe()}; device {session.device}")
     try:
         result = trainer.run()
@@ -312,6 +330,11 @@ def _run(opts: RunOptions, echo, progress_stream, after_step,
         if log is not None:
             log.close()
     outcome = RunOutcome(graph, result, session, forward)
+    numerics = getattr(session.numerics, "mode", "native")
+    outcome.plot_title = (f"graphopt run {opts.example or os.path.basename(opts.model or '')}\n"
+                          f"precision {precision}, numerics {numerics}, loss scale "
+                          f"{scaler.describe().split(' (')[0]}, {optimizer.name} lr "
+                          f"{optimizer.lr:g}")
     if writer:
         _finish(opts, outcome, say, echo)
     return outcome
@@ -330,7 +353,9 @@ def _settings_record(opts: RunOptions, loss, labels, optimizer, precision: str,
               "weight_decay": optimizer.weight_decay, "precision": precision,
               "loss_scale": opts.loss_scale, "batch_size": batch_size, "seed": opts.seed,
               "freeze": list(opts.freeze), "train": list(opts.train), "steps": total,
-              "ignore_index": -100 if opts.ignore_index is None else opts.ignore_index}
+              "ignore_index": -100 if opts.ignore_index is None else opts.ignore_index,
+              "lr_schedule": opts.lr_schedule or "constant", "warmup": opts.warmup or 0,
+              "clip_grad_norm": opts.clip_grad_norm}
     for key in RESUMED:
         if key not in record and getattr(opts, key, None) is not None:
             record[key] = getattr(opts, key)
@@ -368,6 +393,38 @@ def _shown(value) -> str:
         return " ".join(map(str, value)) or "(none)"
     return "(default)" if value is None else f"{value:g}" if isinstance(value, float) \
         else str(value)
+
+
+def _schedule_words(settings: LoopSettings) -> str:
+    words = ""
+    if settings.lr_schedule != "constant" or settings.warmup:
+        words += f" ({settings.lr_schedule} schedule, warmup {settings.warmup} steps)"
+    if settings.clip_grad_norm is not None:
+        words += f", gradient norm clipped to {settings.clip_grad_norm:g}"
+    return words
+
+
+def _eval_batches(opts: RunOptions, graph: TrainingGraph, batch_size: int, input_types: dict
+                  ) -> list[dict]:
+    """--eval-data in order, in batches of --batch-size (fewer rows if the held-out set is
+    smaller; a last partial batch is left out, as in training)."""
+    if opts.eval_data is None:
+        if opts.eval_every is not None:
+            raise GraphoptError("--eval-every needs --eval-data FILE.npz")
+        return []
+    if opts.eval_every is not None and opts.eval_every < 1:
+        raise GraphoptError(f"--eval-every must be >= 1, not {opts.eval_every}")
+    arrays = load_npz(opts.eval_data)
+    lengths = [np.shape(a)[0] for a in arrays.values() if np.ndim(a)]
+    size = min(lengths) if lengths else 0
+    try:
+        held_out = Batches(arrays, graph.data_inputs, min(batch_size, max(size, 1)), opts.seed,
+                           input_types)
+    except GraphoptError as exc:
+        raise GraphoptError(f"--eval-data {opts.eval_data}: {exc}") from None
+    step = held_out.batch_size
+    return [{name: array[i * step:(i + 1) * step] for name, array in held_out.arrays.items()}
+            for i in range(held_out.steps_per_epoch)]
 
 
 def _warn_if_nothing_saved(opts: RunOptions, writer: bool, echo) -> None:
@@ -412,6 +469,11 @@ def _finish(opts: RunOptions, outcome: RunOutcome, say, echo) -> None:
         say(f"loss: first step {first:.4f}, last step {last:.4f} "
             f"(mean of the last {len(tail)}: {np.mean(tail):.4f}); skipped steps {result.skipped}"
             + (f" ({counts})" if counts else ""))
+    evaluated = [r for r in result.history if r.get("eval_loss") is not None]
+    if evaluated:
+        best = min(evaluated, key=lambda r: r["eval_loss"])
+        say(f"eval loss: last {evaluated[-1]['eval_loss']:.4f} (step {evaluated[-1]['step']}), "
+            f"best {best['eval_loss']:.4f} (step {best['step']})")
     if result.interrupted:
         where = result.checkpoint or "(nothing saved)"
         echo(f"interrupted after step {result.steps_done}; checkpoint {where}; continue with "
@@ -422,8 +484,7 @@ def _finish(opts: RunOptions, outcome: RunOutcome, say, echo) -> None:
     if opts.denormal_report is not None:
         _denormal_report(opts.denormal_report, outcome.session, say)
     if opts.plot:
-        title = f"graphopt run {opts.example or os.path.basename(opts.model or '')}"
-        plot_losses(result.history, opts.plot, title)
+        plot_losses(result.history, opts.plot, outcome.plot_title)
         outcome.written.append(opts.plot)
         say(f"wrote {opts.plot}")
     if opts.output:
