@@ -11,6 +11,25 @@ from graphopt.console import INTERRUPTED
 from graphopt.errors import GraphoptError
 from graphopt.registry import all_rules
 
+# The library's messages name its Python parameters; on the command line the same advice
+# is an option. (Python name as the library writes it, what a CLI user types instead.)
+PYTHON_TO_CLI = [
+    ("use device='cpu'", "use --device cpu"),
+    ("device='cuda' requested", "--device cuda was asked for"),
+    ("device='rocm' requested", "--device rocm was asked for"),
+    ("use loss='output'", "use --loss output"),
+    ("loss='cross_entropy' needs", "--loss cross_entropy needs"),
+    ("(outputs=...)", "(--loss OUTPUT_NAME names a scalar loss output; cross_entropy and "
+                      "mse need a model with one output)"),
+    ("labels_name ", "--labels "),
+]
+
+
+def cli_words(message: str) -> str:
+    for python, cli in PYTHON_TO_CLI:
+        message = message.replace(python, cli)
+    return message
+
 
 def user_errors(command):
     """User errors become one line on stderr and exit code 1, never a traceback."""
@@ -20,7 +39,7 @@ def user_errors(command):
         try:
             return command(*args, **kwargs)
         except GraphoptError as exc:
-            click.echo(f"graphopt: error: {exc}", err=True)
+            click.echo(f"graphopt: error: {cli_words(str(exc))}", err=True)
             sys.exit(1)
         except KeyboardInterrupt:
             click.echo(INTERRUPTED, err=True)
