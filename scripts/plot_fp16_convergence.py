@@ -1,7 +1,7 @@
 """Loss curves of the MQA character LM under FP32 and FP16 (mixed precision, emulated MI200
 numerics), with and without ROCBLAS_INTERNAL_FP16_ALT_IMPL=0 -> docs/fp16_convergence.png.
 
-    /work/venv/bin/python scripts/plot_fp16_convergence.py [--steps 150] [--out PATH]
+    python scripts/plot_fp16_convergence.py [--steps 150] [--out PATH]
 
 No loss scaling, so the logits' gradient of the mean loss over 32 x 32 tokens is mostly
 FP16 subnormal (~1.7e-5 per non-target class): MI200's original GEMM flushes it. The last
