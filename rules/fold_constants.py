@@ -1,5 +1,7 @@
 """Nodes whose inputs are all small constants -> initializers holding their result (so the
-rules after it see constants where exporters wrote Unsqueeze(Constant) and the like)."""
+rules after it see constants where exporters wrote Unsqueeze(Constant) and the like). A Shape
+or Size of a tensor whose shape is fully known is a constant too: fixing symbolic input
+dimensions (``graphopt optimize --input-shape``) lets exporters' shape arithmetic fold away."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +9,7 @@ import onnx
 from onnx import numpy_helper
 
 from graphopt.dsl import Pass
-from graphopt.ir import STANDARD_DOMAIN, normalize_domain, subgraphs_of
+from graphopt.ir import STANDARD_DOMAIN, normalize_domain, subgraphs_of, type_dims
 
 MAX_FOLDED_ELEMENTS = 4096  # keep weights out: folding Transpose(W) would duplicate them
 NOT_FOLDED = frozenset({"Constant", "RandomNormal", "RandomNormalLike", "RandomUniform",
@@ -41,6 +43,24 @@ def _evaluate(graph, node):
         return None
 
 
+def _static_shape(graph, node) -> list | None:
+    """The value of a Shape (start/end applied) or Size node whose input's dims are all
+    known numbers; None otherwise."""
+    if node.op_type not in ("Shape", "Size") or not node.input:
+        return None
+    tensor_type = graph.types.get(node.input[0])
+    if tensor_type is None and graph.model.infer_types():
+        tensor_type = graph.types.get(node.input[0])
+    dims = type_dims(tensor_type) if tensor_type is not None else None
+    if dims is None or not all(isinstance(d, int) for d in dims):
+        return None
+    if node.op_type == "Size":
+        return [np.array(int(np.prod(dims, dtype=np.int64)), np.int64)]
+    attrs = {a.name: a.i for a in node.attribute}
+    start, end = attrs.get("start", 0), attrs.get("end", len(dims))
+    return [np.array(dims[slice(start, end)], np.int64)]
+
+
 def fold(graph, report) -> int:
     folded = 0
     for node_id in graph.sorted_ids():
@@ -49,12 +69,14 @@ def fold(graph, report) -> int:
                 or normalize_domain(node.domain) != STANDARD_DOMAIN):
             continue
         node = graph.node(node_id)
-        if (any(True for _ in subgraphs_of(node))
-                or any(graph.is_output(o) for o in node.output)
-                or not all(name and graph.constant_value(name, MAX_FOLDED_ELEMENTS) is not None
-                           for name in node.input)):
+        if any(True for _ in subgraphs_of(node)) or any(graph.is_output(o) for o in node.output):
             continue
-        values = _evaluate(graph, node)
+        values = _static_shape(graph, node)
+        if values is None:
+            if not all(name and graph.constant_value(name, MAX_FOLDED_ELEMENTS) is not None
+                       for name in node.input):
+                continue
+            values = _evaluate(graph, node)
         if values is None or any(np.asarray(v).size > MAX_FOLDED_ELEMENTS for v in values):
             continue
         outputs = [o for o in node.output if o]

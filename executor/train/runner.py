@@ -481,6 +481,8 @@ def _finish(opts: RunOptions, outcome: RunOutcome, say, echo) -> None:
         return
     if result.checkpoint:
         say(f"checkpoint: {result.checkpoint}")
+    if opts.log:
+        say(f"wrote the step log to {opts.log}")
     if opts.denormal_report is not None:
         _denormal_report(opts.denormal_report, outcome.session, say)
     if opts.plot:

@@ -236,3 +236,22 @@ def test_check_numbers_reach_the_tolerance():
     rng = np.random.default_rng(0)
     feeds = compare.random_inputs(RELU, rng, {"x": [2, 3]})
     assert feeds["x"].shape == (2, 3) and feeds["x"].dtype == np.float32
+
+
+def test_input_shape_lets_the_shape_arithmetic_fold(tmp_path):
+    model = tmp_path / "dynamic.onnx"
+    onnx.save(model_from_text("""
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[N, 4, 6] x) => (float[N, 24] y) {
+  s = Shape <start = 0, end = 1> (x)
+  n = Size(x)
+  per_row = Div(n, s)
+  target = Concat <axis = 0> (s, per_row)
+  y = Reshape(x, target)
+}"""), model)
+    kept, fixed = tmp_path / "kept.onnx", tmp_path / "fixed.onnx"
+    assert invoke("optimize", model, "-o", kept).exit_code == 0
+    result = invoke("optimize", model, "-o", fixed, "--input-shape", "x:2,4,6", "--check")
+    assert result.exit_code == 0, result.output
+    assert len(onnx.load(kept).graph.node) == 5
+    assert [n.op_type for n in onnx.load(fixed).graph.node] == ["Reshape"]

@@ -141,3 +141,29 @@ def test_node_with_a_subgraph_is_not_folded():
         }""")
     report = assert_no_change(model, [PASS])
     assert report.rules[PASS].rewrites == 0
+
+
+SHAPE_ARITHMETIC = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[{batch}, 4, 6] x) => (float[{batch}, 24] y) {{
+  s = Shape <start = 0, end = 1> (x)
+  n = Size(x)
+  per_row = Div(n, s)
+  target = Concat <axis = 0> (s, per_row)
+  y = Reshape(x, target)
+}}
+"""
+
+
+def test_shape_and_size_of_a_fully_known_shape_fold():
+    model = model_from_text(SHAPE_ARITHMETIC.format(batch=2))
+    out, report = run(model)
+    assert op_types(out) == ["Reshape"]
+    np.testing.assert_array_equal(initializer(out, "target"), [2, 24])
+    assert_same_outputs(model, out)
+    assert_second_run_changes_nothing(out, [PASS])
+
+
+def test_shape_of_a_symbolic_dimension_stays():
+    model = model_from_text(SHAPE_ARITHMETIC.format(batch='"N"'))
+    assert_no_change(model, [PASS])

@@ -150,3 +150,16 @@ def test_warns_at_the_start_when_nothing_will_be_saved(tmp_path):
     for extra in (["-o", tmp_path / "m.onnx"], ["--checkpoint", tmp_path / "ck"]):
         result = invoke(*args, *extra)
         assert result.exit_code == 0 and WARNING not in result.output
+
+
+def test_every_file_written_is_named(tmp_path):
+    data = write_npz(tmp_path / "d.npz", mlp_data())
+    log, out, graph = tmp_path / "log.csv", tmp_path / "m.onnx", tmp_path / "train.onnx"
+    result = invoke(MLP, "--data", data, "--loss", "cross_entropy", "--batch-size", "4",
+                    "--steps", "2", "--log", log, "-o", out, "--save-graph", graph,
+                    "--checkpoint", tmp_path / "ck")
+    assert result.exit_code == 0, result.output
+    for line in (f"wrote the step log to {log}", f"wrote the trained model to {out}",
+                 f"wrote the training graph to {graph}",
+                 f"checkpoint: {tmp_path / 'ck' / 'checkpoint.npz'}"):
+        assert line in result.stdout.splitlines(), line
