@@ -230,7 +230,7 @@ def _run(opts: RunOptions, echo, progress_stream, after_step,
     forward, arrays, defaults, source = _resolve_source(opts)
     _check_outputs(opts, source)
     if opts.resume:
-        opts = _settings_from_checkpoint(opts)
+        opts = _settings_from_checkpoint(opts, dist)
     if opts.seed is None:
         opts = dataclasses.replace(opts, seed=0)
     precision, note = default_precision(forward, opts.precision)
@@ -362,10 +362,15 @@ def _settings_record(opts: RunOptions, loss, labels, optimizer, precision: str,
     return record
 
 
-def _settings_from_checkpoint(opts: RunOptions) -> RunOptions:
+def _settings_from_checkpoint(opts: RunOptions, dist=None) -> RunOptions:
     """Fill the options left out from the checkpoint's; one error listing every option given
-    with a value different from the checkpoint's."""
-    saved = ckpt.read_settings(opts.checkpoint)
+    with a value different from the checkpoint's. In a data-parallel job rank 0 reads them
+    and sends them to the others (as it does the checkpoint itself)."""
+    if dist is None or dist.size == 1:
+        saved = ckpt.read_settings(opts.checkpoint)
+    else:
+        mine = ckpt.read_settings(opts.checkpoint) if dist.rank == 0 else None
+        saved = dist.comm.bcast_object(mine, 0, "the checkpoint's settings")
     if not saved:
         return opts   # no checkpoint, or an older one: resume_from checks what it can
     values, differ = {}, []
