@@ -93,6 +93,23 @@ NOT_TRAINED_REASONS = {
 }
 
 
+# (op type, input index) of the weight of a linear layer. Exporters fold a transposed weight
+# into a new initializer with a generated name (TorchScript: onnx::MatMul_12; dynamo: val_0):
+# such a matrix is still the layer's parameter, whatever its name says.
+_LAYER_WEIGHTS = {("MatMul", 1), ("MatMul", 0), ("Gemm", 1), ("Gemm", 0), ("Conv", 1),
+                  ("ConvTranspose", 1)}
+
+
+def _layer_weights(graph) -> set[str]:
+    """Tensors of rank >= 2 read as the weight of a MatMul, Gemm or Conv."""
+    found = set()
+    for node in graph.node:
+        for index, name in enumerate(node.input):
+            if (node.op_type, index) in _LAYER_WEIGHTS:
+                found.add(name)
+    return found
+
+
 def _shape_only_readers(graph) -> set[str]:
     """Tensors every reader of which (in ``graph``, subgraphs included) takes as a shape."""
     data, shape = set(), set()
@@ -114,11 +131,13 @@ def _shape_only_readers(graph) -> set[str]:
 def classify_initializers(model) -> tuple[list[str], dict[str, list[str]]]:
     """What ``graphopt run`` trains by default: (parameters in model order, {reason: names
     left out}). A parameter is a floating-point initializer that is not a scalar, not named
-    as exporters name their constants (:data:`EXPORTER_CONSTANT_NAMES`) and not read only by
-    shape computations, so rotary tables, attention scales and mask constants of an exported
-    transformer keep their values, as they do in the PyTorch module."""
+    as exporters name their constants (:data:`EXPORTER_CONSTANT_NAMES`; a matrix read as the
+    weight of a MatMul, Gemm or Conv is a folded weight whatever its name) and not read only
+    by shape computations, so rotary tables, attention scales and mask constants of an
+    exported transformer keep their values, as they do in the PyTorch module."""
     graph = model.graph
     shape_only = _shape_only_readers(graph)
+    layer_weights = _layer_weights(graph)
     params: list[str] = []
     left_out: dict[str, list[str]] = {key: [] for key in NOT_TRAINED_REASONS}
     for tensor in graph.initializer:
@@ -127,7 +146,8 @@ def classify_initializers(model) -> tuple[list[str], dict[str, list[str]]]:
             reason = "integer"
         elif len(tensor.dims) == 0:
             reason = "scalar"
-        elif any(fnmatch.fnmatchcase(name, p) for p in EXPORTER_CONSTANT_NAMES):
+        elif (any(fnmatch.fnmatchcase(name, p) for p in EXPORTER_CONSTANT_NAMES)
+              and not (name in layer_weights and len(tensor.dims) >= 2)):
             reason = "exporter"
         elif name in shape_only:
             reason = "shape"

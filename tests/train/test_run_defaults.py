@@ -98,11 +98,22 @@ def test_train_and_freeze_override_the_default(tmp_path):
     assert "--freeze: fc1.weight, fc1.bias" in result.stdout
 
 
-def test_model_of_constants_only_says_how_to_train_them():
+def test_folded_weights_with_generated_names_are_still_trained():
+    """dynamo folds the transposed Linear weights into val_0 and val_41 (read by MatMul): they
+    are the module's parameters; val_35, the attention scale, is a scalar constant."""
     from conftest import fixture_path
 
-    line = one_error_line(invoke(fixture_path("mqa_dynamo.onnx"), "--list-params"))
-    assert "nothing to train" in line and "--train PATTERN" in line and "val_0" in line
+    result = invoke(fixture_path("mqa_dynamo.onnx"), "--list-params")
+    assert result.exit_code == 0, result.output
+    names = [line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ")]
+    assert names == ["val_0", "val_41"]
+    assert "scalars (rank 0): val_35" in result.stdout
+
+
+def test_nothing_left_to_train_says_how_to_train_the_constants(tmp_path):
+    model = exported_like(tmp_path)
+    line = one_error_line(invoke(model, "--list-params", "--freeze", "fc*"))
+    assert "nothing to train" in line and "--train PATTERN" in line and "val_35" in line
 
 
 # ---- 3: float16 models ---------------------------------------------------------------------
