@@ -147,6 +147,17 @@ class Session:
         each step so that a resumed run draws the same masks as an uninterrupted one."""
         self._ctx.reseed(seed)
 
+    @contextlib.contextmanager
+    def inference_mode(self):
+        """Dropout off for the runs inside (held-out evaluation in a training session);
+        a Dropout given an explicit ``training_mode`` input still follows it."""
+        previous = self._ctx.training
+        self._ctx.training = False
+        try:
+            yield self
+        finally:
+            self._ctx.training = previous
+
     # -- planning -----------------------------------------------------------------------
     def plan(self, output_names: Sequence[str] | None = None) -> Plan:
         """The (cached) plan computing ``output_names`` (graph outputs by default)."""

@@ -349,13 +349,15 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Mean loss over the held-out batches with the current weights (the forward part
-        of the graph only: nothing is differentiated or updated)."""
+        of the graph only, Dropout off, as model.eval(): nothing is differentiated or
+        updated)."""
         total = 0.0
         for feeds in self.eval_batches:
             feeds = dict(feeds)
             for name, value in self.params.items():
                 feeds[name] = value.astype(self.compute_dtype, copy=False)
-            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"), \
+                    self.session.inference_mode():
                 out = self.session.run(feeds, list(self.graph.losses))
             total += float(sum(np.sum(out[n], dtype=np.float64) for n in self.graph.losses))
         return total / len(self.eval_batches)

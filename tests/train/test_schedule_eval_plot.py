@@ -83,12 +83,28 @@ def test_clip_grad_norm_bounds_the_update(tmp_path, data):
 
 
 # ---- 7: held-out data -------------------------------------------------------------------------
-def test_eval_loss_is_the_held_out_cross_entropy(tmp_path, data):
+def with_dropout(tmp_path) -> str:
+    """The MLP with a Dropout(0.5) between its layers: training drops, evaluation must not."""
+    model = onnx.load(MLP)
+    relu = next(n for n in model.graph.node if n.op_type == "Relu")
+    second = next(n for n in model.graph.node if relu.output[0] in n.input)
+    second.input[list(second.input).index(relu.output[0])] = "dropped"
+    model.graph.node.insert(list(model.graph.node).index(second), onnx.helper.make_node(
+        "Dropout", [relu.output[0], "ratio"], ["dropped"], name="dropout"))
+    model.graph.initializer.append(numpy_helper.from_array(np.array(0.5, np.float32), "ratio"))
+    path = tmp_path / "dropout.onnx"
+    onnx.save(model, path)
+    return str(path)
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+def test_eval_loss_is_the_held_out_cross_entropy(tmp_path, data, dropout):
     ort = pytest.importorskip("onnxruntime")
+    model = with_dropout(tmp_path) if dropout else MLP
     held_out = mlp_data(samples=12, seed=5)
     eval_data = write_npz(tmp_path / "e.npz", held_out)
     out, log = tmp_path / "m.onnx", tmp_path / "log.jsonl"
-    result = invoke(MLP, "--data", data, *BASE, "--lr", "0.1", "--steps", "4",
+    result = invoke(model, "--data", data, *BASE, "--lr", "0.1", "--steps", "4",
                     "--eval-data", eval_data, "--eval-every", "2", "-o", out, "--log", log)
     assert result.exit_code == 0, result.output
     records = log_records(log)
