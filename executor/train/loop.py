@@ -317,7 +317,7 @@ class Trainer:
         factor = lr_factor(settings.lr_schedule, step, settings.total_steps, settings.warmup)
         norm = None
         if settings.clip_grad_norm is not None and kind is None:
-            norm = float(np.sqrt(sum(float(np.dot(g.ravel(), g.ravel())) for g in grads.values())))
+            norm = math.sqrt(sum(float(g.ravel() @ g.ravel()) for g in grads.values()))
             coefficient = clip_coefficient(norm, settings.clip_grad_norm)
             if coefficient < 1.0:
                 for grad in grads.values():

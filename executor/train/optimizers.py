@@ -134,18 +134,23 @@ class AdamW(Optimizer):
     def _hyper(self):
         return {"beta1": self.beta1, "beta2": self.beta2, "eps": self.eps}
 
-    def step(self, params, grads) -> None:
+    def step(self, params, grads, lr_factor: float = 1.0) -> None:
         device = [name for name, param in params.items() if array_module(param) is not np]
         if not device:
-            return super().step(params, grads)
+            return super().step(params, grads, lr_factor)
         self.steps += 1
-        host = {name: param for name, param in params.items() if name not in device}
-        for name, param in host.items():
-            value = param.astype(np.float32)
-            self._update(name, value, grads[name].astype(np.float32, copy=False))
-            param[...] = value
-        for name in device:
-            self._fused_update(name, params[name], grads[name])
+        base = self.lr
+        self.lr = base * lr_factor   # a schedule's factor, for this update only
+        try:
+            host = {name: param for name, param in params.items() if name not in device}
+            for name, param in host.items():
+                value = param.astype(np.float32)
+                self._update(name, value, grads[name].astype(np.float32, copy=False))
+                param[...] = value
+            for name in device:
+                self._fused_update(name, params[name], grads[name])
+        finally:
+            self.lr = base
         return None
 
     def _scalars(self):

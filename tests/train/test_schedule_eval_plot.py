@@ -158,3 +158,25 @@ def test_smoothing_is_a_debiased_moving_average():
     assert smoothed([2.0, 2.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])
     values = smoothed([1.0, 0.0], weight=0.5)
     assert values == pytest.approx([1.0, (0.25) / 0.75])
+
+
+def test_schedule_clipping_and_eval_on_device_resident_weights_equal_the_host_run(tmp_path):
+    """The GPU branch of the loop (weights and gradients on the device; here a stand-in
+    device whose arrays are NumPy's) applies the schedule, the clipping and the evaluation
+    exactly as the host does."""
+    from executor.cupy_api import RecordingXp
+
+    from graphopt.executor.backend import ArrayBackend
+
+    base = dict(model=MLP, data=write_npz(tmp_path / "d.npz", mlp_data(samples=40)),
+                eval_data=write_npz(tmp_path / "e.npz", mlp_data(samples=8, seed=9)),
+                loss="cross_entropy", steps=8, batch_size=4, optimizer="adamw", lr=0.01,
+                lr_schedule="cosine", warmup=2, clip_grad_norm=0.5, eval_every=4, seed=5,
+                quiet=True)
+    host = run(RunOptions(**base, device="cpu"))
+    device = run(RunOptions(**base, device=ArrayBackend("cuda", RecordingXp())))
+    for name, value in host.result.params.items():
+        np.testing.assert_array_equal(device.result.params[name], value, err_msg=name)
+    evals = [r["eval_loss"] for r in host.result.history if "eval_loss" in r]
+    assert len(evals) == 2
+    assert evals == [r["eval_loss"] for r in device.result.history if "eval_loss" in r]
