@@ -28,17 +28,34 @@ _ERFC_COEFFS = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.
                  -1.13520398, 1.48851587, -0.82215223, 0.17087277)
 
 
+_ERF_CHUNK = 8192  # elements per block: the three float64 scratch buffers stay in L2
+
+
 def _erf_numpy(x):
     if x.dtype == np.float64:
         return _exact_erf(x)
     # Rational Chebyshev fit of erfc (fractional error < 1.2e-7), evaluated in float64 (in
-    # float32 the rounding would add up to 5e-7); Horner's rule on two buffers, in place:
-    # a third of the time of the same expression written with temporaries.
-    z = np.abs(x, dtype=np.float64)
-    t = z * 0.5
+    # float32 the rounding would add up to 5e-7): Horner's rule in place, block by block so
+    # that its twenty-odd passes run in cache, not memory.
+    flat = np.ascontiguousarray(x).reshape(-1)
+    out = np.empty(flat.shape, x.dtype)
+    size = min(_ERF_CHUNK, flat.size)
+    z, t, poly = (np.empty(size, np.float64) for _ in range(3))
+    for begin in range(0, flat.size, _ERF_CHUNK):
+        part = flat[begin:begin + _ERF_CHUNK]
+        n = part.size
+        _erf_block(part, z[:n], t[:n], poly[:n])
+        out[begin:begin + n] = poly[:n]
+    return out.reshape(x.shape)
+
+
+def _erf_block(x, z, t, poly):
+    """erf(x) into ``poly`` (float64); ``z`` and ``t`` are scratch of x's size."""
+    np.abs(x, out=z)
+    np.multiply(z, 0.5, out=t)
     t += 1.0
     np.reciprocal(t, out=t)
-    poly = t * _ERFC_COEFFS[-1]
+    np.multiply(t, _ERFC_COEFFS[-1], out=poly)
     for coeff in _ERFC_COEFFS[-2:0:-1]:
         poly += coeff
         poly *= t
@@ -48,7 +65,7 @@ def _erf_numpy(x):
     np.exp(poly, out=poly)
     poly *= t  # erfc(|x|)
     np.subtract(1.0, poly, out=poly)
-    return np.copysign(poly, x, out=poly).astype(x.dtype)
+    np.copysign(poly, x, out=poly)
 
 
 _exact_erf_ufunc = np.frompyfunc(math.erf, 1, 1)
