@@ -40,7 +40,11 @@ def yield_op(ctx, node, *module_outputs):
 def _softmax_grad(xp, dy, y, axes):
     ct = compute_dtype(y.dtype)
     y32, dy32 = y.astype(ct, copy=False), dy.astype(ct, copy=False)
-    dx = y32 * (dy32 - (y32 * dy32).sum(axis=axes, keepdims=True))
+    # y * (dy - sum(y * dy)) in one buffer: the product's, reused once it is summed
+    dx = y32 * dy32
+    total = dx.sum(axis=axes, keepdims=True)
+    xp.subtract(dy32, total, out=dx)
+    dx *= y32
     return dx.astype(y.dtype, copy=False)
 
 
