@@ -7,6 +7,8 @@ import math
 import numpy as np
 import onnx
 
+from ._threads import parts_for, run_split
+
 _SQRT_HALF = math.sqrt(0.5)
 
 
@@ -39,14 +41,23 @@ def _erf_numpy(x):
     # that its twenty-odd passes run in cache, not memory.
     flat = np.ascontiguousarray(x).reshape(-1)
     out = np.empty(flat.shape, x.dtype)
-    size = min(_ERF_CHUNK, flat.size)
+    blocks = -(-flat.size // _ERF_CHUNK)
+    run_split(lambda first, last: _erf_range(flat, out, first * _ERF_CHUNK,
+                                             min(last * _ERF_CHUNK, flat.size)),
+              blocks, parts_for(flat.size, blocks))
+    return out.reshape(x.shape)
+
+
+def _erf_range(flat, out, begin, end):
+    size = min(_ERF_CHUNK, end - begin)
+    if size <= 0:
+        return
     z, t, poly = (np.empty(size, np.float64) for _ in range(3))
-    for begin in range(0, flat.size, _ERF_CHUNK):
-        part = flat[begin:begin + _ERF_CHUNK]
+    for start in range(begin, end, _ERF_CHUNK):
+        part = flat[start:min(start + _ERF_CHUNK, end)]
         n = part.size
         _erf_block(part, z[:n], t[:n], poly[:n])
-        out[begin:begin + n] = poly[:n]
-    return out.reshape(x.shape)
+        out[start:start + n] = poly[:n]
 
 
 def _erf_block(x, z, t, poly):
