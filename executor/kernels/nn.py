@@ -97,7 +97,9 @@ def layer_normalization(ctx, node, x, scale, bias=None):
     stash = np.dtype(np.float32) if node.attrs.get("stash_type", 1) == 1 else x.dtype
     stash = np.promote_types(stash, compute_dtype(x.dtype))
     centered, mean, inv_std = layer_norm_stats(xp, x, axis, epsilon, stash)
-    y = centered * inv_std * scale
+    y = centered  # a temporary of layer_norm_stats: scaled in place, same order
+    y *= inv_std
+    y *= scale
     if bias is not None:
         y += bias
     return y.astype(x.dtype, copy=False), mean, inv_std
