@@ -251,7 +251,9 @@ class Session:
                 if step.donatable and donate:
                     ctx.donated = _donations(step, args, values)
                 try:
-                    if numerics is None or not (step.gemm or step.backward):
+                    # only GEMM-class products consult the policy (its node name and
+                    # BackwardPassGuard): every other node is called directly
+                    if numerics is None or not step.gemm:
                         result = step.fn(ctx, step.node, *args)
                     else:
                         result = self._run_with_numerics(step, args)
