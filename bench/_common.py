@@ -23,6 +23,7 @@ from pathlib import Path
 RESULTS = Path(__file__).with_name("RESULTS.md")
 MIN_RUNS = 9
 BLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 CORES = os.cpu_count() or 1
 LOAD_BEFORE = os.getloadavg()[0]  # scripts import this module before they do any work
 
@@ -128,7 +129,9 @@ def command_line(script: str, argv: list[str] | None) -> str:
     """The exact command to rerun this benchmark as issue 15's method asks."""
     args = argv if argv is not None else sys.argv[1:]
     unset = " ".join(f"-u {v}" for v in BLAS_VARS)
-    return " ".join(["env", unset, "python", f"bench/{script}", *args]).strip()
+    # thread limits change the figures: a run made with one says so
+    limits = [f"{v}={os.environ[v]}" for v in THREAD_VARS if v in os.environ]
+    return " ".join(["env", unset, *limits, "python", f"bench/{script}", *args]).strip()
 
 
 def machine() -> str:
