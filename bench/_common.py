@@ -1,18 +1,42 @@
-"""What every benchmark here shares: interleaved timing and its section of RESULTS.md."""
+"""What every benchmark here shares: the method of issue 15 and its section of RESULTS.md.
+
+The method: each runtime is timed in a process of its own (thread pools of two runtimes in
+one process steal each other's cores), after a warm-up, and reported as the median and the
+minimum of at least MIN_RUNS runs; numpy runs as its users run it, so the benchmark
+processes get an environment without OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE (this machine
+sets them for old OpenBLAS builds) and the BLAS kernel they run is printed (threadpoolctl);
+the load average is recorded before and after, and a section is not written to RESULTS.md
+when it is above 1 per core (then the figures are noise from other processes).
+"""
 from __future__ import annotations
 
+import json
+import os
 import platform
 import re
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
+MIN_RUNS = 9
+BLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+CORES = os.cpu_count() or 1
+LOAD_BEFORE = os.getloadavg()[0]  # scripts import this module before they do any work
 
 
 def interleaved_medians(fns: dict, runs: int, warmup: bool = True) -> dict:
     """Median seconds per contender; contenders take turns within each round so that load
-    from other processes on a shared machine hits all of them alike."""
+    from other processes on a shared machine hits all of them alike. Only for contenders
+    that are the same runtime (one process is then fair): others go through ``in_processes``."""
+    times = interleaved_times(fns, runs, warmup)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def interleaved_times(fns: dict, runs: int, warmup: bool = True) -> dict[str, list[float]]:
     if warmup:
         for fn in fns.values():
             fn()
@@ -22,17 +46,127 @@ def interleaved_medians(fns: dict, runs: int, warmup: bool = True) -> dict:
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def time_calls(fn, runs: int, warmup: int = 2) -> list[float]:
+    """Seconds of ``runs`` calls of ``fn`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def bench_env() -> dict[str, str]:
+    """This environment without the OpenBLAS overrides: numpy as its users run it."""
+    return {k: v for k, v in os.environ.items() if k not in BLAS_VARS}
+
+
+def blas_kernel() -> str:
+    """Which BLAS numpy runs in this process, and its kernel (threadpoolctl)."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return "unknown (threadpoolctl is not installed)"
+    import numpy  # noqa: F401  (loads the BLAS threadpoolctl looks for)
+
+    found = [f"{i.get('internal_api')} {i.get('version')}, {i.get('architecture')} kernel, "
+             f"{i.get('num_threads')} threads"
+             for i in threadpool_info() if i.get("user_api") == "blas"]
+    return "; ".join(found) or "none found"
+
+
+def in_processes(script: str, workers: dict[str, list[str]], runs: int, rounds: int = 3,
+                 timeout: float = 900) -> dict[str, dict]:
+    """Run each worker (``script --worker ARGS --runs K``) in fresh processes, one at a time,
+    the workers taking turns over ``rounds`` rounds (K = runs / rounds, rounded up), so that
+    load from elsewhere hits all of them alike. A worker prints one JSON line with "times"
+    (seconds) and anything else it measured; the times of its rounds are pooled."""
+    per_round = -(-runs // rounds)
+    results: dict[str, dict] = {name: {"times": []} for name in workers}
+    for _ in range(rounds):
+        for name, args in workers.items():
+            proc = subprocess.run([sys.executable, script, "--worker", *args,
+                                   "--runs", str(per_round)], env=bench_env(),
+                                  capture_output=True, text=True, timeout=timeout)
+            if proc.returncode != 0:
+                raise SystemExit(f"benchmark worker {name} failed:\n{proc.stderr.strip()}")
+            report = json.loads(proc.stdout.strip().splitlines()[-1])
+            times = report.pop("times")
+            merged = results[name]
+            merged["times"].extend(times)
+            for key, value in report.items():
+                merged.setdefault(key, []).append(value)
+    return results
+
+
+def worker_report(times: list[float], **extra) -> None:
+    """What a worker prints: its times, the BLAS kernel it ran, anything else."""
+    print(json.dumps({"times": times, "blas": blas_kernel(), **extra}))
+
+
+def med_min(times: list[float], scale: float = 1e3) -> tuple[float, float]:
+    return statistics.median(times) * scale, min(times) * scale
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set so far (MiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def command_line(script: str, argv: list[str] | None) -> str:
+    """The exact command to rerun this benchmark as issue 15's method asks."""
+    args = argv if argv is not None else sys.argv[1:]
+    unset = " ".join(f"-u {v}" for v in BLAS_VARS)
+    # thread limits change the figures: a run made with one says so
+    limits = [f"{v}={os.environ[v]}" for v in THREAD_VARS if v in os.environ]
+    return " ".join(["env", unset, *limits, "python", f"bench/{script}", *args]).strip()
 
 
 def machine() -> str:
-    import os
+    return f"{platform.machine()}, {CORES} cores, Python {platform.python_version()}"
 
-    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+def method_lines(load_after: float | None = None) -> list[str]:
+    after = os.getloadavg()[0] if load_after is None else load_after
+    return [f"Load average (1 min): {LOAD_BEFORE:.2f} before, {after:.2f} after "
+            f"({CORES} cores); BLAS: {blas_kernel()}."]
+
+
+def publish_refusal(load_after: float) -> str | None:
+    """Why a figure taken now must not be written to RESULTS.md, or None."""
+    overrides = [v for v in BLAS_VARS if v in os.environ]
+    if overrides:
+        return (f"{' and '.join(overrides)} set in this process: run it as "
+                f"`env -u {' -u '.join(BLAS_VARS)} python bench/...`")
+    worst = max(LOAD_BEFORE, load_after)
+    if worst > CORES:
+        return (f"load average {LOAD_BEFORE:.2f} before, {load_after:.2f} after is above 1 per "
+                f"core ({CORES} cores): the figures are noise from other processes")
+    return None
 
 
 def write_section(title: str, body: str, path: Path = RESULTS) -> None:
-    """Replace (or append) one '## title' section of RESULTS.md, leaving the others alone."""
+    """Replace (or append) one '## title' section of RESULTS.md, leaving the others alone;
+    the load average and the BLAS kernel are appended. Refused (exit status 3, nothing
+    written) when the load is above 1 per core or the OpenBLAS overrides are set."""
+    load_after = os.getloadavg()[0]
+    body = body.rstrip() + "\n" + "\n".join(method_lines(load_after))
+    refusal = publish_refusal(load_after)
+    if refusal:
+        print(f"\nnot written to {path.name}: {refusal}", file=sys.stderr)
+        raise SystemExit(3)
     heading = f"## {title}"
     text = path.read_text() if path.exists() else "# Benchmark results\n"
     section = f"{heading}\n\n{body.rstrip()}\n"
@@ -42,12 +176,14 @@ def write_section(title: str, body: str, path: Path = RESULTS) -> None:
     else:
         text = text.rstrip() + "\n\n" + section
     path.write_text(text)
+    print(f"\nwritten to {path}")
 
 
 def publish(title: str, lines: list[str], write: bool) -> None:
     """Print a benchmark's report and, when ``write`` (no ``--no-write``), put it in RESULTS.md
-    as the '## title' section."""
+    as the '## title' section (see ``write_section`` for when that is refused)."""
     body = "\n".join(lines)
     print(body)
+    print("\n".join(method_lines()))
     if write:
         write_section(title, body)

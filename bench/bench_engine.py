@@ -10,7 +10,7 @@ Measured side by side in one run:
 - end to end from file to file (graphopt: load + check, optimize, validate, atomic save;
   onnxscript: onnx.load, rewrite, onnx.save).
 
-    python bench/bench_engine.py [--sizes 1000 10000 50000] [--runs 5] [--no-write]
+    python bench/bench_engine.py [--sizes 1000 10000 50000] [--runs 9] [--no-write]
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 import onnx
-from _common import interleaved_medians, machine, write_section
+from _common import MIN_RUNS, interleaved_medians, machine, write_section
 from onnx import TensorProto, helper, numpy_helper
 
 import graphopt
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000, 50000])
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=MIN_RUNS)
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--child", nargs=2, metavar=("TOOL", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

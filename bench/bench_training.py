@@ -1,8 +1,10 @@
 """Training step time of the MQA example with and without the Split fusion
-(gather_slice_to_split disabled), side by side in one run. Writes its section of
-bench/RESULTS.md.
+(gather_slice_to_split disabled), each variant in processes of its own (see _common for
+the method). Writes its section of bench/RESULTS.md.
 
-    python bench/bench_training.py [--runs 15]
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_training.py [--runs 9]
+
+About 1 minute on a quiet 2-core machine (CPU only; a GPU adds its rows).
 
 One step = one executor run of the training graph (forward, YieldOp, backward: the part the
 fusion changes; the optimizer update is the same for both and left out). Without the
@@ -13,11 +15,19 @@ ONNX Runtime reports ~7% end-to-end for Falcon training from this fusion.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import numpy as np
-from _common import interleaved_medians, machine, write_section
+from _common import (
+    MIN_RUNS,
+    command_line,
+    in_processes,
+    machine,
+    med_min,
+    publish,
+    time_calls,
+    worker_report,
+)
 
 from graphopt.examples.mqa import MqaConfig, build_mqa_model
 from graphopt.executor import Session
@@ -51,10 +61,24 @@ def step_function(cfg: MqaConfig, batch: int, device: str, disable: tuple[str, .
     return (lambda: session.run(feeds, fetches)), ops
 
 
+def worker(device: str, config: int, variant: str, runs: int) -> None:
+    _, cfg, batch = CONFIGS[config]
+    disable = ("gather_slice_to_split",) if variant == "plain" else ()
+    step, ops = step_function(cfg, batch, device, disable)
+    assert ("Split" in ops) == (variant == "fused")
+    worker_report(time_calls(step, runs))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--runs", type=int, default=15)
+    parser.add_argument("--runs", type=int, default=MIN_RUNS)
+    parser.add_argument("--no-write", action="store_true", help="do not update bench/RESULTS.md")
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker:
+        device, config, variant = args.worker
+        worker(device, int(config), variant, args.runs)
+        return 0
     devices = ["cpu"]
     gpu = gpu_device()
     if gpu:
@@ -63,32 +87,31 @@ def main(argv=None) -> int:
         print("GPU: skipped (CuPy or a GPU is not available)")
     rows = []
     for device in devices:
-        for label, cfg, batch in CONFIGS:
-            fused, fused_ops = step_function(cfg, batch, device, ())
-            plain, plain_ops = step_function(cfg, batch, device, ("gather_slice_to_split",))
-            assert "Split" in fused_ops and "Split" not in plain_ops
-            medians = interleaved_medians({"fused": fused, "plain": plain}, args.runs)
-            gain = (medians["plain"] - medians["fused"]) / medians["plain"] * 100
-            rows.append(f"| {device} | {label}, batch {batch} | {medians['plain'] * 1e3:.2f} | "
-                        f"{medians['fused'] * 1e3:.2f} | {gain:+.1f}% |")
+        for index, (label, _, batch) in enumerate(CONFIGS):
+            results = in_processes(__file__, {v: [device, str(index), v]
+                                              for v in ("plain", "fused")}, args.runs)
+            (p_med, p_min), (f_med, f_min) = (med_min(results[v]["times"])
+                                              for v in ("plain", "fused"))
+            gain = (p_med - f_med) / p_med * 100
+            rows.append(f"| {device} | {label}, batch {batch} | {p_med:.2f} | {p_min:.2f} | "
+                        f"{f_med:.2f} | {f_min:.2f} | {gain:+.1f}% |")
             print(rows[-1], flush=True)
-    body = "\n".join([
+    lines = [
         "MQA character LM training step (forward + backward, float32), with and without "
-        "`gather_slice_to_split`; median of "
-        f"{args.runs} interleaved runs after warm-up. ONNX Runtime reports ~7% end-to-end "
-        "for Falcon training from its GatherSliceToSplitFusion.",
+        "`gather_slice_to_split`; each variant in processes of its own (3 rounds, taking "
+        f"turns), warm-up, {len(results['plain']['times'])} timed steps each. ONNX Runtime "
+        "reports ~7% end-to-end for Falcon training from its GatherSliceToSplitFusion.",
         "",
-        "| device | model | no Split fusion ms | Split fusion ms | gain |",
-        "|---|---|---|---|---|",
+        "| device | model | no Split fusion median ms | min ms | Split fusion median ms | "
+        "min ms | gain (medians) |",
+        "|---|---|---|---|---|---|---|",
         *rows,
         "",
-        ("GPU: not run (no CuPy/GPU on this machine)." if not gpu else ""),
-        f"Machine: {machine()}; numpy {np.__version__}; load average during the run "
-        f"{os.getloadavg()[0]:.1f} (a quiet machine runs the default step in ~16 ms; above "
-        "~1 per core the medians are noise).",
-        "Command: `python bench/bench_training.py`",
-    ])
-    write_section(SECTION, body)
+        *(["GPU: not run (no CuPy/GPU on this machine)."] if not gpu else []),
+        f"Machine: {machine()}; numpy {np.__version__}.",
+        f"Command: `{command_line('bench_training.py', argv)}`",
+    ]
+    publish(SECTION, lines, write=not args.no_write)
     return 0
 
 

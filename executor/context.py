@@ -12,9 +12,11 @@ from .backend import ArrayBackend
 class KernelContext:
     """``xp`` is numpy or cupy; ``numerics`` the FP16 policy object or None; ``training``
     the default Dropout mode for graphs that do not say; ``yield_feeds`` the caller-given
-    gradients for YieldOp outputs during one run."""
+    gradients for YieldOp outputs during one run; ``donated`` the inputs of the running
+    node that the kernel may overwrite (see ``out_for``)."""
 
-    __slots__ = ("backend", "xp", "numerics", "training", "yield_feeds", "_rng", "_node_rngs")
+    __slots__ = ("backend", "xp", "numerics", "training", "yield_feeds", "donated", "_rng",
+                 "_node_rngs")
 
     def __init__(self, backend: ArrayBackend, numerics: Any, training: bool, seed: int | None):
         self.backend = backend
@@ -22,8 +24,18 @@ class KernelContext:
         self.numerics = numerics
         self.training = training
         self.yield_feeds: dict[str, Any] = {}
+        self.donated: tuple = ()
         self._rng = np.random.default_rng(seed)
         self._node_rngs: dict[str, np.random.Generator] = {}
+
+    def out_for(self, shape, dtype, *candidates):
+        """A donated input among ``candidates`` that can hold a result of ``shape`` and
+        ``dtype`` (for ``out=``), or None: the caller then allocates as usual."""
+        for array in candidates:
+            if (array.shape == shape and array.dtype == dtype
+                    and any(array is d for d in self.donated)):
+                return array
+        return None
 
     def host_ints(self, array) -> list[int]:
         """Small integer tensors (shapes, axes, starts) as Python ints."""

@@ -4,14 +4,57 @@ that the FP16 numerics policy (executor/numerics.py) sees every product."""
 
 from __future__ import annotations
 
+import numpy as np
+
 GEMM_OPS = ("gemm", "conv_fwd", "conv_bwd_data", "conv_bwd_weights")
 
 
 def matmul(ctx, a, b, op: str = "gemm"):
-    """``a @ b`` with numpy matmul broadcasting; delegated to ``ctx.numerics`` when set."""
-    if ctx.numerics is not None:
-        return ctx.numerics.matmul(a, b, op=op)
+    """``a @ b`` with numpy matmul broadcasting; delegated to ``ctx.numerics`` when set.
+
+    A numerics object that declares ``fp16_only`` (the project's own ``Numerics``: it hands
+    every other dtype straight to ``xp.matmul``) is skipped for non-FP16 products, so they
+    take the layouts below too; any other object sees every product."""
+    numerics = ctx.numerics
+    if numerics is not None and not (
+            getattr(numerics, "fp16_only", False)
+            and (a.dtype != np.float16 or b.dtype != np.float16)):
+        return numerics.matmul(a, b, op=op)
+    return plain_matmul(ctx.xp, a, b)
+
+
+def _merged(x, first: int):
+    """``x`` with axes ``first`` and ``first + 1`` merged into one, as a view, or None when
+    the strides do not allow it."""
+    if x.strides[first] != x.shape[first + 1] * x.strides[first + 1]:
+        return None
+    return x.reshape(x.shape[:first] + (-1,) + x.shape[first + 2:])
+
+
+def plain_matmul(xp, a, b):
+    """``xp.matmul(a, b)`` done as few, large GEMMs as the operands' layouts allow: BLAS
+    threads and blocks far better on one (H*M, K) x (K, N) product than on H small ones."""
     if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous:
-        # One large GEMM instead of one per leading index: BLAS threads far better.
-        return ctx.xp.matmul(a.reshape(-1, a.shape[-1]), b).reshape(a.shape[:-1] + (b.shape[1],))
-    return ctx.xp.matmul(a, b)
+        # One large GEMM instead of one per leading index.
+        return xp.matmul(a.reshape(-1, a.shape[-1]), b).reshape(a.shape[:-1] + (b.shape[1],))
+    if (a.ndim >= 3 and b.ndim == a.ndim and b.shape[-3] == 1 and a.shape[-3] > 1
+            and b.shape[:-3] == a.shape[:-3]):
+        # b shared across axis -3 (multi-query attention: one K/V head for every query
+        # head): fold that axis into a's rows, one GEMM per leading index.
+        heads, rows = a.shape[-3], a.shape[-2]
+        n = b.shape[-1]
+        b3 = b.reshape(b.shape[:-3] + b.shape[-2:])
+        folded = _merged(a, a.ndim - 3)  # (..., H*M, K) in place
+        if folded is not None:
+            return xp.matmul(folded, b3).reshape(a.shape[:-1] + (n,))
+        # (..., M, H, K): a row-major view or one copy; the result is then laid out
+        # (..., M, H, N) and returned as the (..., H, M, N) view of it, which is the layout
+        # a following transpose back to (..., M, H, N) wants
+        swapped = a.swapaxes(-3, -2)
+        folded = _merged(swapped, a.ndim - 3)
+        if folded is None:
+            folded = xp.ascontiguousarray(swapped).reshape(
+                a.shape[:-3] + (rows * heads, a.shape[-1]))
+        out = xp.matmul(folded, b3).reshape(a.shape[:-3] + (rows, heads, n))
+        return out.swapaxes(-3, -2)
+    return xp.matmul(a, b)

@@ -73,6 +73,9 @@ class Step:
     release: tuple[int, ...]  # slots dead once this step has run
     backward: bool
     gemm: bool
+    # (input position, slot) of inputs 0 and 1 read last here, once, and made by an earlier
+    # node: the session may hand such an array to the kernel to write its result into
+    donatable: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(eq=False)
@@ -176,6 +179,14 @@ def build_plan(
         if step_index >= 0 and name not in kept:
             release_at[step_index].append(slot_of[name])
 
+    made_here = {o for n in nodes for o in n.outputs if o}
+
+    def donatable(i: int, node: PlannedNode) -> tuple[tuple[int, int], ...]:
+        return tuple(
+            (position, slot_of[name]) for position, name in enumerate(node.inputs[:2])
+            if name in made_here and name not in kept and last_use[name] == i
+            and node.inputs.count(name) == 1)
+
     steps = [
         Step(
             node=node,
@@ -185,6 +196,7 @@ def build_plan(
             release=tuple(release_at[i]),
             backward=node.is_backward,
             gemm=node.spec.gemm,
+            donatable=donatable(i, node) if node.spec.inplace else (),
         )
         for i, node in enumerate(nodes)
     ]

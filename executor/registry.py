@@ -3,7 +3,9 @@
 A kernel is ``fn(ctx, node, *inputs) -> array | tuple[array, ...]`` where ``ctx`` is the
 per-run KernelContext, ``node`` the PlannedNode (attributes already decoded) and ``inputs``
 the node's inputs in order, ``None`` for an omitted optional input. Kernels never mutate
-their inputs; they may mutate arrays they allocated themselves.
+their inputs; they may mutate arrays they allocated themselves, and a kernel registered
+with ``inplace=True`` may write its result into an input found in ``ctx.donated`` (an
+array of input 0 or 1 that no one else holds any more: see Session.run).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class KernelSpec:
     until: int
     fn: Callable
     gemm: bool  # routes its products through executor.gemm.matmul (FP16 policy applies)
+    inplace: bool = False  # may write its result into a donated input (ctx.donated)
 
     @property
     def opset_range(self) -> str:
@@ -44,6 +47,7 @@ def kernel(
     since: int = 1,
     until: int = LATEST,
     gemm: bool = False,
+    inplace: bool = False,
 ) -> Callable[[Callable], Callable]:
     """Register the decorated function for each op type over opsets [since, until]."""
 
@@ -54,7 +58,7 @@ def kernel(
             for other in specs:
                 if other.since <= until and since <= other.until:
                     raise ValueError(f"overlapping kernels for {key} opsets {since}-{until}")
-            specs.append(KernelSpec(key[0], op_type, since, until, fn, gemm))
+            specs.append(KernelSpec(key[0], op_type, since, until, fn, gemm, inplace))
             specs.sort(key=lambda s: s.since)
         return fn
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -254,11 +255,16 @@ class Session:
         ctx.yield_feeds = {n: v for n, v in checked.items() if n in self.yield_output_names}
         numerics = self.numerics
         names_by_slot = plan.names_by_slot if observer is not None else None
+        donate = self.backend.xp is np  # CuPy arrays: reference counts do not tell ownership
         try:
             for index, step in enumerate(plan.steps):
                 args = [values[s] if s >= 0 else None for s in step.in_slots]
+                if step.donatable and donate:
+                    ctx.donated = _donations(step, args, values)
                 try:
-                    if numerics is None:
+                    # only GEMM-class products consult the policy (its node name and
+                    # BackwardPassGuard): every other node is called directly
+                    if numerics is None or not step.gemm:
                         result = step.fn(ctx, step.node, *args)
                     else:
                         result = self._run_with_numerics(step, args)
@@ -266,7 +272,9 @@ class Session:
                     raise
                 except Exception as exc:
                     raise KernelError(f"node {step.node.label()} failed: {exc}") from exc
+                ctx.donated = ()
                 self._store(step, result, values)
+                result = args = None  # hold no reference a later donation check would see
                 for slot in step.release:
                     values[slot] = None
                 if observer is not None:
@@ -274,6 +282,7 @@ class Session:
                     observer(index, step.node.name, live)
         finally:
             ctx.yield_feeds = {}
+            ctx.donated = ()
         if not to_host:
             return {name: values[plan.slot_of[name]] for name in plan.fetches}
         return {name: self.backend.to_host(values[plan.slot_of[name]]) for name in plan.fetches}
@@ -307,3 +316,24 @@ class Session:
                     values[slot] = value
         else:
             values[step.out_slots[0]] = result
+
+
+def _donations(step, args, values) -> tuple:
+    """The arrays among the step's dying inputs that nothing else references: not a feed, an
+    initializer, a fetched tensor, another slot, or a live view (a view holds its base).
+    Their slots are cleared now, as the step's release would after it ran."""
+    donated = []
+    for position, slot in step.donatable:
+        values[slot] = None
+        array = args[position]
+        # three references: args, this local, getrefcount's argument
+        if (type(array) is not np.ndarray or sys.getrefcount(array) != 3
+                or not array.flags.writeable or 0 in array.strides):
+            continue
+        base = array.base
+        # numpy points a view's base at the array owning the memory; two references to
+        # that owner: this view's base and getrefcount's argument
+        if base is None or (type(base) is np.ndarray and base.base is None
+                            and sys.getrefcount(base) == 2):
+            donated.append(array)
+    return tuple(donated)

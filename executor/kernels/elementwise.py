@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from ..registry import kernel
+from ._threads import parts_for, run_split
 from ._util import erf, gelu_exact, gelu_tanh, in_compute_dtype, np_dtype
 
 
@@ -15,27 +16,48 @@ def _same_dtype(xp, result, dtype):
 
 
 # ---- binary arithmetic ---------------------------------------------------------------
-@kernel("Add")
+def _binary(ctx, ufunc, a, b):
+    """``ufunc(a, b)``, written into a donated input of the result's shape and dtype; large
+    NumPy results are computed in row blocks on several threads."""
+    if a.dtype != b.dtype:
+        return ufunc(a, b)
+    shape = a.shape if a.shape == b.shape else np.broadcast_shapes(a.shape, b.shape)
+    out = ctx.out_for(shape, a.dtype, a, b) if ctx.donated else None
+    rows = shape[0] if shape else 1
+    parts = parts_for(math.prod(shape), rows) if ctx.xp is np else 1
+    if parts == 1:
+        return ufunc(a, b) if out is None else ufunc(a, b, out=out)
+    if out is None:
+        out = np.empty_like(a) if a.shape == shape else np.empty(shape, a.dtype)
+    # operands broadcast along axis 0 (or of lower rank) are read whole by every block
+    a_rows = a.ndim == len(shape) and a.shape[0] == rows
+    b_rows = b.ndim == len(shape) and b.shape[0] == rows
+    run_split(lambda i, j: ufunc(a[i:j] if a_rows else a, b[i:j] if b_rows else b,
+                                 out=out[i:j]), rows, parts)
+    return out
+
+
+@kernel("Add", inplace=True)
 def add(ctx, node, a, b):
-    return ctx.xp.add(a, b)
+    return _binary(ctx, ctx.xp.add, a, b)
 
 
-@kernel("Sub")
+@kernel("Sub", inplace=True)
 def sub(ctx, node, a, b):
-    return ctx.xp.subtract(a, b)
+    return _binary(ctx, ctx.xp.subtract, a, b)
 
 
-@kernel("Mul")
+@kernel("Mul", inplace=True)
 def mul(ctx, node, a, b):
-    return ctx.xp.multiply(a, b)
+    return _binary(ctx, ctx.xp.multiply, a, b)
 
 
-@kernel("Div")
+@kernel("Div", inplace=True)
 def div(ctx, node, a, b):
     xp = ctx.xp
     if a.dtype.kind in "iu":  # integer division truncates toward zero in ONNX
         return xp.trunc(xp.true_divide(a, b)).astype(a.dtype)
-    return xp.true_divide(a, b)
+    return _binary(ctx, xp.true_divide, a, b)
 
 
 @kernel("Pow")

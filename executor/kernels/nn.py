@@ -5,17 +5,34 @@ from __future__ import annotations
 import numpy as np
 
 from ..registry import kernel
+from ._threads import parts_for, run_split
 from ._util import compute_dtype, norm_axis
 
 
-def softmax_over(xp, x, axes):
-    """Softmax of x over ``axes`` in x's compute dtype; one temporary, updated in place."""
+def softmax_over(xp, x, axes, out=None):
+    """Softmax of x over ``axes`` in x's compute dtype; one temporary (none when ``out``, an
+    array of x's shape and dtype that may be x itself, is given), updated in place; large
+    NumPy inputs are done in row blocks on several threads."""
     ct = compute_dtype(x.dtype)
+    if ct == x.dtype and xp is np and 0 not in axes:
+        parts = parts_for(x.size, x.shape[0])
+        if parts > 1:
+            if out is None:
+                out = np.empty_like(x)
+            run_split(lambda a, b: _softmax_into(xp, x[a:b], axes, out[a:b]), x.shape[0], parts)
+            return out
     data = x if ct == x.dtype else x.astype(ct)
-    out = data - data.max(axis=axes, keepdims=True)
+    if out is None or ct != x.dtype:
+        out = xp.empty_like(data)
+    _softmax_into(xp, data, axes, out)
+    return out if ct == x.dtype else out.astype(x.dtype)
+
+
+def _softmax_into(xp, x, axes, out):
+    peak = x.max(axis=axes, keepdims=True)
+    xp.subtract(x, peak, out=out)
     xp.exp(out, out=out)
     out /= out.sum(axis=axes, keepdims=True)
-    return out if ct == x.dtype else out.astype(x.dtype)
 
 
 def log_softmax_over(xp, x, axes):
@@ -47,8 +64,17 @@ def single_axis(node, x):
     return (norm_axis(node.attrs.get("axis", -1), x.ndim),)
 
 
-for _op, _fn in (("Softmax", softmax_over), ("LogSoftmax", log_softmax_over),
-                 ("Hardmax", _hardmax_over)):
+@kernel("Softmax", until=12, inplace=True)
+def softmax_coerced(ctx, node, x):
+    return softmax_over(ctx.xp, x, coerced_axes(node, x, 1), ctx.out_for(x.shape, x.dtype, x))
+
+
+@kernel("Softmax", since=13, inplace=True)
+def softmax(ctx, node, x):
+    return softmax_over(ctx.xp, x, single_axis(node, x), ctx.out_for(x.shape, x.dtype, x))
+
+
+for _op, _fn in (("LogSoftmax", log_softmax_over), ("Hardmax", _hardmax_over)):
     kernel(_op, until=12)(lambda ctx, node, x, _fn=_fn: _fn(ctx.xp, x, coerced_axes(node, x, 1)))
     kernel(_op, since=13)(lambda ctx, node, x, _fn=_fn: _fn(ctx.xp, x, single_axis(node, x)))
 
@@ -71,7 +97,9 @@ def layer_normalization(ctx, node, x, scale, bias=None):
     stash = np.dtype(np.float32) if node.attrs.get("stash_type", 1) == 1 else x.dtype
     stash = np.promote_types(stash, compute_dtype(x.dtype))
     centered, mean, inv_std = layer_norm_stats(xp, x, axis, epsilon, stash)
-    y = centered * inv_std * scale
+    y = centered  # a temporary of layer_norm_stats: scaled in place, same order
+    y *= inv_std
+    y *= scale
     if bias is not None:
         y += bias
     return y.astype(x.dtype, copy=False), mean, inv_std

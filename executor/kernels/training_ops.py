@@ -40,7 +40,11 @@ def yield_op(ctx, node, *module_outputs):
 def _softmax_grad(xp, dy, y, axes):
     ct = compute_dtype(y.dtype)
     y32, dy32 = y.astype(ct, copy=False), dy.astype(ct, copy=False)
-    dx = y32 * (dy32 - (y32 * dy32).sum(axis=axes, keepdims=True))
+    # y * (dy - sum(y * dy)) in one buffer: the product's, reused once it is summed
+    dx = y32 * dy32
+    total = dx.sum(axis=axes, keepdims=True)
+    xp.subtract(dy32, total, out=dx)
+    dx *= y32
     return dx.astype(y.dtype, copy=False)
 
 
@@ -180,15 +184,22 @@ def layer_normalization_grad(ctx, node, dy, x, scale, mean, inv_std):
     lead_axes = tuple(range(axis))
     ct = np.promote_types(compute_dtype(x.dtype), mean.dtype)
     dy_c, x_c, scale_c = (a.astype(ct, copy=False) for a in (dy, x, scale))
-    xhat = (x_c - mean) * inv_std
-    scale_grad = (dy_c * xhat).sum(axis=lead_axes).reshape(scale.shape)
+    xp = ctx.xp
+    # inv_std * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)) on three buffers (xhat,
+    # dxhat, one scratch) instead of nine temporaries; the same operations in the same order
+    xhat = x_c - mean
+    xhat *= inv_std
+    scratch = dy_c * xhat
+    scale_grad = scratch.sum(axis=lead_axes).reshape(scale.shape)
     bias_grad = dy_c.sum(axis=lead_axes).reshape(scale.shape)
     dxhat = dy_c * scale_c
-    dx = inv_std * (
-        dxhat
-        - dxhat.mean(axis=norm_axes, keepdims=True)
-        - xhat * (dxhat * xhat).mean(axis=norm_axes, keepdims=True)
-    )
+    xp.multiply(dxhat, xhat, out=scratch)
+    xhat_term = scratch.mean(axis=norm_axes, keepdims=True)
+    dxhat -= dxhat.mean(axis=norm_axes, keepdims=True)
+    xp.multiply(xhat, xhat_term, out=scratch)
+    dxhat -= scratch
+    dx = dxhat
+    dx *= inv_std
     return (dx.astype(x.dtype, copy=False), scale_grad.astype(scale.dtype, copy=False),
             bias_grad.astype(scale.dtype, copy=False))
 

@@ -36,6 +36,10 @@ class Numerics:
     reduction per operand and result).
     """
 
+    # matmul() passes every product that is not FP16 x FP16 to xp.matmul untouched, so the
+    # GEMM entry point may skip this object for those (executor.gemm)
+    fp16_only = True
+
     def __init__(self, mode=None, policy: Fp16Policy | None = None, xp=numpy, collect_stats=False):
         device_info = device_info_for(xp)
         if mode is None:

@@ -1,0 +1,50 @@
+"""Large NumPy kernels run in row blocks on several threads (executor/kernels/_threads.py):
+the blocks must give exactly what one pass over the whole array gives."""
+
+import numpy as np
+import pytest
+
+from graphopt.executor.backend import select_backend
+from graphopt.executor.context import KernelContext
+from graphopt.executor.kernels import _threads
+from graphopt.executor.kernels._util import _erf_block, erf
+from graphopt.executor.kernels.elementwise import _binary
+from graphopt.executor.kernels.nn import softmax_over
+
+ROWS, COLS = 64, 8192  # 2**19 elements: above the threshold, split in blocks
+pytestmark = pytest.mark.skipif(_threads.workers() < 2, reason="one CPU: nothing is split")
+
+
+def _x(shape=(ROWS, COLS), seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def test_large_arrays_are_split():
+    assert _threads.parts_for(ROWS * COLS, ROWS) > 1
+    assert _threads.parts_for(1000, 10) == 1
+
+
+def test_softmax_blocks_equal_one_pass():
+    x = _x().reshape(4, 16, COLS)[:, ::-1]  # a strided view
+    expected = np.exp(x - x.max(axis=-1, keepdims=True))
+    expected /= expected.sum(axis=-1, keepdims=True)
+    np.testing.assert_array_equal(softmax_over(np, x, (2,)), expected)
+    donated = x.copy()
+    assert softmax_over(np, donated, (2,), out=donated) is donated
+    np.testing.assert_array_equal(donated, expected)
+
+
+def test_erf_blocks_equal_one_pass():
+    x = _x()
+    z, t, poly = (np.empty(x.size) for _ in range(3))
+    _erf_block(x.reshape(-1), z, t, poly)
+    np.testing.assert_array_equal(erf(np, x), poly.astype(np.float32).reshape(x.shape))
+
+
+@pytest.mark.parametrize("b_shape", [(ROWS, COLS), (COLS,), (1, COLS), (ROWS, 1), ()])
+def test_binary_blocks_equal_one_pass_with_broadcasting(b_shape):
+    ctx = KernelContext(select_backend("cpu"), None, False, 0)
+    a, b = _x(), _x(b_shape, seed=1)
+    for ufunc in (np.add, np.subtract, np.multiply, np.true_divide):
+        np.testing.assert_array_equal(_binary(ctx, ufunc, a, b), ufunc(a, b))
+        np.testing.assert_array_equal(_binary(ctx, ufunc, b, a), ufunc(b, a))
