@@ -71,7 +71,10 @@ class Engine:
             pass_changes = sum(self._run_pass(model, graph, p, report) for p in passes)
             if round_ and not pass_changes:
                 return  # the pattern worklist already reached its fixpoint last round
-            if not self._run_patterns(model, graph, patterns, report, budget) or not passes:
+            # another round while anything changed: a pass's result can be another pass's
+            # input (fold_shapes makes the constants fold_constants folds further)
+            rewrites = self._run_patterns(model, graph, patterns, report, budget)
+            if not passes or not (rewrites or pass_changes):
                 return
             if round_ == 7:
                 report.warnings.append(
