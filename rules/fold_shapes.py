@@ -1,0 +1,136 @@
+"""Shape arithmetic on dimensions that are known -> constants.
+
+``Shape(x)`` and ``Size(x)`` of a tensor whose shape is static become initializers; so do
+``Gather`` and ``Slice`` of a ``Shape(x)`` when the dimensions they pick are static, even if
+other dimensions of ``x`` are symbolic (batch, sequence). fold_constants then folds what is
+computed from them. This is how the attention scale of HF's SDPA export,
+``Shape(q)[-1:] -> Cast -> Sqrt -> Div(1, .)``, becomes a constant the FusedMatMul fusion can
+take, and how the Slice bounds of ``chunk(3, -1)`` on a dynamic export, computed from
+``Shape(fused_qkv)[-1]``, become constants the Split fusion can read (the last axis of the
+fused projection has a fixed size). ONNX Runtime folds Shape only when every dimension is
+static.
+
+Shapes come from the model's declared types and ONNX shape inference (Graph.static_shape).
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from graphopt.dsl import Pass
+from graphopt.ir import STANDARD_DOMAIN, subgraphs_of
+
+
+def _dims(graph, tensor: str) -> list[int | None] | None:
+    shape = graph.static_shape(tensor)
+    return None if shape is None else list(shape)
+
+
+def _shape_range(graph, node_id: int, rank: int) -> list[int]:
+    """The positions Shape(start, end) (opset 15) reads; the whole shape before that."""
+    start, end = graph.attr(node_id, "start", 0), graph.attr(node_id, "end", rank)
+    return list(range(rank))[start:end]  # step 1: Python clamps as ONNX does
+
+
+def _shape_of(graph, node_id: int):
+    """(tensor whose shape this Shape node reads, positions of the dims it returns)."""
+    source = graph.node_inputs[node_id][0]
+    dims = _dims(graph, source)
+    if dims is None:
+        return None, None, None
+    return source, dims, _shape_range(graph, node_id, len(dims))
+
+
+def _static(dims, positions) -> np.ndarray | None:
+    picked = [dims[p] for p in positions]
+    if any(d is None for d in picked):
+        return None
+    return np.array(picked, dtype=np.int64)
+
+
+def _picked_positions(graph, node, positions: list[int]) -> np.ndarray | None:
+    """What a Gather/Slice reading Shape(x) picks, as positions into x's shape: the node run
+    (by the ONNX reference) on the positions instead of the dims, so every index rule of the
+    op (negative, clamped, stepped) is the reference's own."""
+    from onnx.reference import ReferenceEvaluator
+
+    feeds = {node.input[0]: np.array(positions, dtype=np.int64)}
+    for name in node.input[1:]:
+        if not name:
+            continue
+        value = graph.constant_value(name, 64)
+        if value is None:
+            return None
+        feeds[name] = value
+    opset = graph.model.opset(STANDARD_DOMAIN) or 1
+    single = onnx.helper.make_graph(
+        [node], "picked",
+        [onnx.helper.make_tensor_value_info(n, onnx.helper.np_dtype_to_tensor_dtype(v.dtype),
+                                            v.shape) for n, v in feeds.items()],
+        [onnx.helper.make_tensor_value_info(node.output[0], onnx.TensorProto.INT64, None)])
+    model = onnx.helper.make_model(single, opset_imports=[onnx.helper.make_opsetid("", opset)])
+    try:
+        (picked,) = ReferenceEvaluator(model).run(None, feeds)
+    except Exception:  # an index out of range and the like: the node stays as it is
+        return None
+    return np.asarray(picked)
+
+
+def _value(graph, node_id: int):
+    """The constant a Shape/Size (or a Gather/Slice of a Shape) computes, or None."""
+    op_type = graph.op_keys[node_id][1]
+    if op_type == "Shape":
+        _, dims, positions = _shape_of(graph, node_id)
+        return None if dims is None else _static(dims, positions)
+    if op_type == "Size":
+        dims = _dims(graph, graph.node_inputs[node_id][0])
+        if dims is None or any(d is None for d in dims):
+            return None
+        return np.array(int(np.prod(dims, dtype=np.int64)), dtype=np.int64)
+    source = graph.producer.get(graph.node_inputs[node_id][0])
+    if source is None or graph.op_keys[source] != (STANDARD_DOMAIN, "Shape"):
+        return None
+    _, dims, positions = _shape_of(graph, source)
+    if dims is None:
+        return None
+    picked = _picked_positions(graph, graph.node(node_id), list(range(len(positions))))
+    if picked is None:
+        return None
+    values = [dims[positions[int(i)]] for i in picked.reshape(-1)]
+    if any(d is None for d in values):
+        return None
+    return np.array(values, dtype=np.int64).reshape(picked.shape)
+
+
+FOLDED = ("Shape", "Size", "Gather", "Slice")
+
+
+def fold(graph, report) -> int:
+    candidates = [i for op_type in FOLDED for i in graph.nodes_of_type(op_type)]
+    folded = 0
+    for node_id in sorted(candidates, key=graph.order.__getitem__):
+        if node_id not in graph.nodes:
+            continue
+        outputs = graph.node_outputs[node_id]
+        if len(outputs) != 1 or graph.is_output(outputs[0]) \
+                or any(True for _ in subgraphs_of(graph.node(node_id))):
+            continue
+        value = _value(graph, node_id)
+        if value is None:
+            continue
+        inputs = graph.node_inputs[node_id]
+        graph.remove_node(node_id)
+        graph.add_initializer(numpy_helper.from_array(value, outputs[0]))
+        graph.remove_dead(inputs)
+        folded += 1
+    return folded
+
+
+PASS = Pass(
+    name="fold_shapes",
+    description="Shape/Size of known dims, and Gather/Slice of their static dims -> constants",
+    level=1,
+    tags=("cleanup",),
+    run=fold,
+)

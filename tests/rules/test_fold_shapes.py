@@ -1,0 +1,156 @@
+"""fold_shapes: Shape/Size of known dims, and Gather/Slice of static dims of a Shape ->
+constants (and, with fold_constants, what is computed from them)."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from conftest import (
+    assert_no_change,
+    assert_same_outputs,
+    assert_second_run_changes_nothing,
+    fused,
+    fused_attrs,
+    model_from_text,
+    op_types,
+)
+from onnx import numpy_helper
+
+import graphopt
+
+PASS = "fold_shapes"
+
+
+def initializer(model, name):
+    (t,) = [t for t in model.graph.initializer if t.name == name]
+    return numpy_helper.to_array(t)
+
+
+# HF's SDPA export: scale = 1/sqrt(sqrt(d)) from Shape(q), applied to q and to k^T
+SDPA = """
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[B,2,S,8] q, float[B,2,S,8] k) => (float[B,2,S,S] y) {
+      shape = Shape(q)
+      start = Constant <value = int64[1] {-1}> ()
+      end = Constant <value = int64[1] {9223372036854775807}> ()
+      d = Slice(shape, start, end)
+      df = Cast <to = 1> (d)
+      sq = Sqrt(df)
+      one = Constant <value = float[1] {1.0}> ()
+      inv = Div(one, sq)
+      s = Sqrt(inv)
+      qs = Mul(q, s)
+      kt = Transpose <perm = [0, 1, 3, 2]> (k)
+      ks = Mul(kt, s)
+      y = MatMul(qs, ks)
+    }"""
+
+
+def test_sdpa_scale_from_a_partly_symbolic_shape_folds_at_level_1():
+    model = model_from_text(SDPA)
+    out, report = graphopt.optimize(model, level=1)
+    assert op_types(out) == ["Mul", "Transpose", "Mul", "MatMul"]
+    np.testing.assert_allclose(initializer(out, "s"), [8 ** -0.25], rtol=1e-6)
+    assert report.rules[PASS].rewrites == 1  # the Slice of the Shape; fold_constants the rest
+    assert_same_outputs(model, out)
+    assert_second_run_changes_nothing(out, [PASS, "fold_constants"])
+
+
+def test_sdpa_scale_on_both_operands_becomes_one_fused_matmul_alpha():
+    model = model_from_text(SDPA)
+    out, _ = graphopt.optimize(model, level=2)
+    (node,) = fused(out)
+    assert op_types(out) == ["FusedMatMul"]
+    attrs = fused_attrs(node)
+    assert np.isclose(attrs["alpha"], 1 / np.sqrt(8), rtol=1e-6) and attrs["transB"] == 1
+    assert_same_outputs(model, out)
+
+
+def test_symbolic_dim_stays():
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[B,6] x) => (float[B,6] y) {
+          shape = Shape(x)
+          i = Constant <value = int64 {0}> ()
+          b = Gather(shape, i)
+          bf = Cast <to = 1> (b)
+          y = Mul(x, bf)
+        }""")
+    report = assert_no_change(model, [PASS], explain=[PASS])
+    assert report.rules[PASS].rewrites == 0
+
+
+def test_fixed_axis_of_a_dynamic_tensor_gives_constant_split_bounds():
+    # GPT-NeoX / MPT TorchScript chunk(3, -1) on a dynamic export: the bounds of the three
+    # Slices come from Shape(qkv)[-1], a static axis; once folded the Split fusion fires.
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[B,S,12] qkv) => (float[B,S,4] q, float[B,S,4] k, float[B,S,4] v) {
+          shape = Shape(qkv)
+          last = Constant <value = int64 {2}> ()
+          n = Gather(shape, last)
+          three = Constant <value = int64 {3}> ()
+          part = Div(n, three)
+          zero = Constant <value = int64[1] {0}> ()
+          ax = Constant <value = int64[1] {-1}> ()
+          p1 = Unsqueeze(part, zero)
+          two = Constant <value = int64 {2}> ()
+          twice = Mul(part, two)
+          p2 = Unsqueeze(twice, zero)
+          p3 = Unsqueeze(n, zero)
+          q = Slice(qkv, zero, p1, ax)
+          k = Slice(qkv, p1, p2, ax)
+          v = Slice(qkv, p2, p3, ax)
+        }""")
+    out, report = graphopt.optimize(model, level=1)
+    assert op_types(out) == ["Split"]
+    assert initializer(out, out.graph.node[0].input[1]).tolist() == [4, 4, 4]
+    assert report.rules[PASS].rewrites == 1
+    assert_same_outputs(model, out, atol=0, rtol=0)
+    assert_second_run_changes_nothing(out, [PASS, "fold_constants", "gather_slice_to_split"])
+
+
+def test_shape_size_and_stepped_slice_of_static_dims():
+    model = model_from_text("""
+        <ir_version: 9, opset_import: ["" : 18]>
+        g (float[2,3,5,7] x, float[N,3,5,7] z) => (int64[4] a, int64[2] b, int64 c, int64[2] d) {
+          full = Shape(x)
+          a = Identity(full)
+          part = Shape <start = 1, end = -1> (x)
+          b = Identity(part)
+          size = Size(x)
+          c = Identity(size)
+          st = Constant <value = int64[1] {-1}> ()
+          en = Constant <value = int64[1] {-100}> ()
+          ax = Constant <value = int64[1] {0}> ()
+          step = Constant <value = int64[1] {-2}> ()
+          zshape = Shape(z)
+          rev = Slice(zshape, st, en, ax, step)
+          d = Identity(rev)
+        }""")
+    out, report = graphopt.optimize(model, [PASS])
+    assert op_types(out) == ["Identity"] * 4
+    assert initializer(out, "full").tolist() == [2, 3, 5, 7]
+    assert initializer(out, "part").tolist() == [3, 5]
+    assert initializer(out, "size").tolist() == 210
+    assert initializer(out, "rev").tolist() == [7, 3]
+    assert report.rules[PASS].rewrites == 4
+    assert_same_outputs(model, out, atol=0, rtol=0)
+    assert_second_run_changes_nothing(out, [PASS])
+
+
+def test_out_of_range_index_and_graph_output_stay():
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,3] x, int64 i) => (int64[2] shape, int64 n) {
+          shape = Shape(x)
+          n = Gather(shape, i)
+        }""")
+    assert_no_change(model, [PASS])
+
+
+def test_result_is_deterministic():
+    model = model_from_text(SDPA)
+    first, _ = graphopt.optimize(model, level=2)
+    second, _ = graphopt.optimize(model, level=2)
+    assert first.SerializeToString() == second.SerializeToString()
+    onnx.checker.check_model(first)
