@@ -70,12 +70,33 @@ def optimize(model, rules: Iterable | None = None, *, level: int = 2,
 
     Returns the rewritten ModelProto and a Report. The input ModelProto is not modified."""
     loaded = model if isinstance(model, Model) else modelio.load(model, check=check_input)
-    return optimize_loaded(loaded, select_rules(rules, level=level, enable=enable,
-                                                disable=disable, provider=provider),
-                           explain=explain)
+    selection = {"rules": rules, "level": level, "enable": enable, "disable": disable,
+                 "provider": provider}
+    return optimize_loaded(loaded, select_rules(**selection), explain=explain,
+                           selection=selection)
 
 
-def optimize_loaded(model: Model, rules: list, *, explain: Iterable[str] = ()):
+def why_not_selected(name: str, *, rules: Iterable | None = None, level: int = 2,
+                     enable: Iterable[str] = (), disable: Iterable[str] = (),
+                     provider: str | None = None) -> str:
+    """Why select_rules left the rule ``name`` out, for --explain."""
+    rule = all_rules().get(name)
+    if rule is None:
+        return "not selected"
+    if name in set(disable):
+        return "disabled (--disable)"
+    if provider is not None and provider not in rule.providers:
+        return (f"gated by provider: runs on {', '.join(sorted(rule.providers))}, "
+                f"not {provider}")
+    if rules is not None and name not in set(enable):
+        return "not among the rules asked for"
+    if rule.level > level:
+        return f"gated by level: a level-{rule.level} rule, the level is {level}"
+    return "not selected"
+
+
+def optimize_loaded(model: Model, rules: list, *, explain: Iterable[str] = (),
+                    selection: dict | None = None):
     explain = list(explain)
     known = {r.name for r in all_rules().values()} | {r.name for r in rules}
     for name in explain:
@@ -84,6 +105,10 @@ def optimize_loaded(model: Model, rules: list, *, explain: Iterable[str] = ()):
     original = model.proto.SerializeToString()
     report = Report(model=model.path or "<in-memory>", nodes_before=len(model.graph.nodes))
     op_types_before = op_type_counts(model)
+    chosen = {r.name for r in rules}
+    for name in explain:
+        if name not in chosen:
+            report.gated[name] = why_not_selected(name, **(selection or {}))
     start = time.perf_counter()
     Engine(rules, explain=explain).run(model, report)
     if model.graph.changed or any(g.changed for g in model.graphs()):
@@ -95,7 +120,9 @@ def optimize_loaded(model: Model, rules: list, *, explain: Iterable[str] = ()):
             if reason is not None:  # the input was already broken, not made so by a rule
                 raise GraphoptError(f"{model.path or 'model'}: invalid ONNX model: {reason}") \
                     from None
+            gated = report.gated
             model, report = _replay_carefully(original, model.path, rules, explain, exc)
+            report.gated = {**gated, **report.gated}
         report.validation_seconds = time.perf_counter() - check_start
         report.validated = True
     report.nodes_after = len(model.graph.nodes)
@@ -181,7 +208,8 @@ def optimize_file(source: str, out: str | None, *, in_place: bool = False, dry_r
         original = onnx.ModelProto()
         original.CopyFrom(model.proto)
     explain = options.pop("explain", ())
-    optimized, report = optimize_loaded(model, select_rules(**options), explain=explain)
+    optimized, report = optimize_loaded(model, select_rules(**options), explain=explain,
+                                        selection=options)
     if before_save is not None:
         before_save(original, optimized)   # e.g. --check: raises to write nothing
     if not dry_run:

@@ -50,6 +50,9 @@ class Engine:
     # ---- driver --------------------------------------------------------------------
     def run(self, model: Model, report: Report) -> None:
         levels = sorted({r.level for r in self.rules})
+        for rule in self.rules:
+            if not _opset_ok(rule, model):
+                report.gated[rule.name] = _opset_gate(rule, model)
         for level in levels:
             rules = [r for r in self.rules if r.level == level and _opset_ok(r, model)]
             for graph in list(model.graphs()):
@@ -249,6 +252,13 @@ def _anchor_label(graph: Graph, anchor) -> str:
 
 def _opset_ok(rule, model: Model) -> bool:
     return all((model.opset(d) or 0) >= v for d, v in rule.min_opset.items())
+
+
+def _opset_gate(rule, model: Model) -> str:
+    needs = [f"opset {v} of '{d or 'ai.onnx'}' (the model has "
+             f"{model.opset(d) or 'none'})"
+             for d, v in sorted(rule.min_opset.items()) if (model.opset(d) or 0) < v]
+    return "gated by opset: needs " + ", ".join(needs)
 
 
 _CWD_LOCK = threading.Lock()

@@ -23,6 +23,7 @@ class Report:
     model: str = ""
     rules: dict[str, RuleStats] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    gated: dict[str, str] = field(default_factory=dict)  # rule name -> why it did not run
     nodes_before: int = 0
     nodes_after: int = 0
     seconds: float = 0.0
@@ -101,7 +102,8 @@ class Report:
     def format_explain(self, rule_name: str) -> str:
         stats = self.rules.get(rule_name)
         if stats is None:
-            return f"{rule_name}: did not run (disabled, wrong level, provider or opset)"
+            why = self.gated.get(rule_name, "not selected")
+            return f"{rule_name}: did not run: {why}"
         if not stats.near_misses:
             return (f"{rule_name}: {stats.candidates} candidate(s), {stats.rewrites} rewrite(s), "
                     "no near misses")

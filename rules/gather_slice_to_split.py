@@ -121,10 +121,17 @@ def to_split(m):
         return found
     axis, pieces = found
     sizes = np.array([end - start for start, end, _, _ in pieces], dtype=np.int64)
-    outputs = op.Split(m.x, constant(sizes, "split_sizes"), axis=axis, _outputs=len(pieces))
+    # Opsets 11 and 12 (still many exporters' default) take sizes and axes as attributes.
+    as_attributes = (m.graph.model.opset("") or 0) < 13
+    if as_attributes:
+        outputs = op.Split(m.x, axis=axis, split=sizes.tolist(), _outputs=len(pieces))
+    else:
+        outputs = op.Split(m.x, constant(sizes, "split_sizes"), axis=axis, _outputs=len(pieces))
     result = {}
     for piece_output, (_, _, squeeze, node) in zip(outputs, pieces, strict=True):
-        if squeeze:
+        if squeeze and as_attributes:
+            piece_output = op.Squeeze(piece_output, axes=[axis])
+        elif squeeze:
             piece_output = op.Squeeze(piece_output,
                                       constant(np.array([axis], np.int64), "squeeze_axes"))
         result[node.proto.output[0]] = piece_output
@@ -136,7 +143,7 @@ RULE = Rule(
     description="Gather/Slice consumers tiling one axis -> one Split (Falcon MQA q, k, v)",
     level=1,
     tags=("fusion", "mqa"),
-    min_opset={"": 13},
+    min_opset={"": 11},
     match=fan_out(x, consumers=("Gather", "Slice"), input_index=0, min_consumers=2),
     where=[_not_shape_output],
     rewrite=to_split,

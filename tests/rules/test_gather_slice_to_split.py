@@ -390,12 +390,39 @@ def test_shape_output_is_not_a_candidate():
     assert_unchanged(model, "Shape")
 
 
-def test_opset_12_is_not_touched():
-    assert_unchanged(build(TILED, outputs=TILED_OUT, opset=12), opset_gated=True)
+@pytest.mark.parametrize("opset", [11, 12])
+def test_opsets_11_and_12_get_their_own_split_and_squeeze_forms(opset):
+    model = build(TILED.replace("(x, i2)", "(x, i2s)").replace(
+        "i2 = Constant <value = int64[1] {5}>", "i2s = Constant <value = int64 {5}>"),
+        outputs="float[2,4,4] a, float[2,1,4] b, float[2,4] c", opset=opset)
+    out, report = run(model)
+    onnx.checker.check_model(out, full_check=True)
+    assert op_types(out) == ["Split", "Squeeze"]
+    split, squeeze = out.graph.node
+    assert list(split.input) == ["x"] and attr(split, "split") == [4, 1, 1]
+    assert attr(split, "axis") == 1
+    assert list(squeeze.input) == [split.output[2]] and attr(squeeze, "axes") == [1]
+    assert_same_outputs(model, out, atol=0, rtol=0)
+    assert_second_run_changes_nothing(out, [RULE])
 
 
-def test_opset_13_is_the_first_one_touched():
+def test_opset_10_is_gated_and_explain_says_by_what():
+    report = assert_unchanged(build(TILED, outputs=TILED_OUT, opset=10), opset_gated=True)
+    assert report.format_explain(RULE) == (
+        f"{RULE}: did not run: gated by opset: needs opset 11 of 'ai.onnx' (the model has 10)")
+
+
+def test_opset_13_takes_sizes_as_an_input():
     check_split(build(TILED, outputs=TILED_OUT, opset=13), [4, 1, 1], 1)
+
+
+def test_explain_says_a_rule_is_gated_by_level_or_disabled():
+    model = build(TILED, outputs=TILED_OUT)
+    _, report = graphopt.optimize(model, level=1, explain=["matmul_scale_to_fused_matmul"])
+    assert report.format_explain("matmul_scale_to_fused_matmul").endswith(
+        "did not run: gated by level: a level-2 rule, the level is 1")
+    _, report = graphopt.optimize(model, disable=[RULE], explain=[RULE])
+    assert report.format_explain(RULE).endswith("did not run: disabled (--disable)")
 
 
 def test_unknown_size_on_the_axis_changes_nothing_with_a_reason():
