@@ -13,6 +13,9 @@ patterns of the rules common:
   an overridable initializer that is also a graph input), either operand order;
 - Transpose -> GatherND(indices [..., 1]) -> Transpose (the dynamo form of fused_qkv[..., [i], :]);
 - Gather of a Transpose, two Transposes in a row, small constant subgraphs;
+- Identity nodes (also on graph outputs); shape arithmetic: a scale computed from
+  ``Shape(x)`` (SDPA's), and ``chunk``-style Slices whose bounds are computed from
+  ``Shape(x)`` of an input with symbolic dimensions besides the sliced one;
 - fan-out (tensors read by several nodes), graph outputs in the middle of the graph, tensor
   and node names that collide with the names rules like to invent.
 
@@ -493,10 +496,87 @@ class Builder:
                            perm=list(range(len(shape)))[::-1])[0]
         self.node("Add", [x, c2], out_shapes=[shape])
 
+    def identity(self):
+        x = self.pick()
+        self.node("Identity", [x], out_shapes=[self.shape[x]])
+
+    def symbolic_input(self, shape, keep: int) -> str:
+        """A graph input whose dims of size 2 (what the feeds give a symbolic dim) other than
+        ``keep`` are declared symbolic; not in the pool (the other ops want static shapes)."""
+        name = self.name("sym")
+        dims = [f"N{i}" if d == 2 and i != keep and self.draw(st.booleans()) else d
+                for i, d in enumerate(shape)]
+        self.inputs.append(helper.make_tensor_value_info(name, self.dtype, dims))
+        self.shape[name] = tuple(shape)
+        return name
+
+    def shape_of(self, x: str, axis: int, scalar: bool) -> str:
+        """Shape(x)[axis] as Gather (scalar or [1]) or Slice ([1]), int64."""
+        rank = len(self.shape[x])
+        shape = self.node("Shape", [x], out_shapes=[[rank]], pool=False)[0]
+        written = axis - rank if self.draw(st.booleans()) else axis
+        if scalar:
+            return self.node("Gather", [shape, self.int_const(written, prefix="dim")],
+                             out_shapes=[[]], pool=False)[0]
+        if self.draw(st.booleans()):
+            return self.node("Gather", [shape, self.int_const([written], prefix="dim")],
+                             out_shapes=[[1]], pool=False)[0]
+        end = INT64_MAX if written == -1 else written + 1
+        return self.node("Slice", [shape, self.int_const([written], prefix="from"),
+                                   self.int_const([end], prefix="to")],
+                         out_shapes=[[1]], pool=False)[0]
+
+    def shape_scale(self):
+        """y * 1/sqrt(Shape(x)[axis]), the SDPA scale computed at run time."""
+        y = self.pick()
+        scalar = len(self.shape[y]) == 0 or self.draw(st.booleans())
+        x = self.pick(min_rank=1)
+        if self.draw(st.booleans()):
+            x = self.symbolic_input(self.shape[x], keep=-1)
+        axis = self.draw(st.integers(0, len(self.shape[x]) - 1))
+        d = self.shape_of(x, axis, scalar)
+        out = [] if scalar else [1]
+        f = self.node("Cast", [d], out_shapes=[out], pool=False, to=self.dtype)[0]
+        f = self.node("Sqrt", [f], out_shapes=[out], pool=False)[0]
+        f = self.node("Reciprocal", [f], out_shapes=[out], pool=False)[0]
+        inputs = [y, f] if self.draw(st.booleans()) else [f, y]
+        self.node("Mul", inputs, out_shapes=[self.shape[y]])
+
+    def shape_chunk(self):
+        """chunk(k, axis) with bounds computed from Shape(x)[axis] (GPT-NeoX/MPT's export)."""
+        k = self.draw(st.integers(2, 3))
+        x = self.pick(min_rank=1, where=lambda s: any(d % k == 0 for d in s))
+        shape = list(self.shape[x])
+        axis = self.draw(st.sampled_from([i for i, d in enumerate(shape) if d % k == 0]))
+        source = x
+        if self.draw(st.booleans()):
+            source = self.symbolic_input(shape, keep=axis)
+            if not self.draw(st.integers(0, 2)):
+                x = source  # sliced tensor itself partly symbolic
+        n = self.shape_of(source, axis, scalar=True)
+        part = self.node("Div", [n, self.int_const(k, prefix="k")], out_shapes=[[]],
+                         pool=False)[0]
+        zero = self.int_const([0], prefix="zero")
+        bounds = [zero]
+        for i in range(1, k + 1):
+            times = self.node("Mul", [part, self.int_const(i, prefix="i")], out_shapes=[[]],
+                              pool=False)[0]
+            bounds.append(self.node("Unsqueeze", [times, zero], out_shapes=[[1]],
+                                    pool=False)[0] if self.opset >= 13 else
+                          self.node("Unsqueeze", [times], out_shapes=[[1]], pool=False,
+                                    axes=[0])[0])
+        axes = self.int_const([axis - len(shape) if self.draw(st.booleans()) else axis],
+                              prefix="axes")
+        out = list(shape)
+        out[axis] = shape[axis] // k
+        for i in range(k):
+            self.node("Slice", [x, bounds[i], bounds[i + 1], axes],
+                      out_shapes=[out])
+
     OPS = ("matmul", "matmul", "matmul", "scaled", "binary", "softmax", "reshape", "squeeze",
            "split", "gather_or_slice_group", "gather_or_slice_group", "gather_or_slice_group",
            "dynamo_gathernd", "dynamo_gathernd", "gather_of_transpose", "double_transpose",
-           "transpose", "constant_chain")
+           "transpose", "constant_chain", "identity", "shape_scale", "shape_chunk")
 
     def random_op(self):
         getattr(self, self.draw(st.sampled_from(self.OPS)))()
