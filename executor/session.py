@@ -113,8 +113,14 @@ class Session:
         missing = []
         for node in nodes:
             node.spec = lookup(node.domain, node.op_type, node.opset)
+            # a kernel serving a family of operators (ATen) says which members it has
+            supports = getattr(node.spec.fn, "supports", None) if node.spec else None
             if node.spec is None:
                 missing.append((node.name, node.domain, node.op_type, node.opset))
+            elif supports is not None and not supports(node):
+                missing.append((node.name, node.domain,
+                                f"{node.op_type}(operator={node.attrs.get('operator')!r})",
+                                node.opset))
         if missing:
             raise UnsupportedOpsError(missing)
 

@@ -1,6 +1,7 @@
 """Kernel families. Importing this package registers every kernel in executor.registry."""
 
 from . import (  # noqa: F401
+    aten,
     contrib,
     conv,
     elementwise,
