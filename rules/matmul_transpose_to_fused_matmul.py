@@ -9,8 +9,9 @@ NO_PERM = ()  # a Transpose without perm reverses all dims
 
 
 def _transposed(x, side):
-    """A Transpose feeding input ``side`` (A or B); its perm is bound as perm_A / perm_B."""
-    return op.Transpose(x, perm=attr(f"perm_{side}", NO_PERM))
+    """A Transpose feeding input ``side`` (A or B); its perm is bound as perm_A / perm_B,
+    the node as transpose_A / transpose_B."""
+    return op.Transpose(x, perm=attr(f"perm_{side}", NO_PERM), _name=f"transpose_{side}")
 
 
 def _absorb(attrs, perm, side):
@@ -29,14 +30,19 @@ def _absorb(attrs, perm, side):
 def fuse(m):
     attrs = fused_attrs(m.base)
     perm_a, perm_b = m.get("perm_A"), m.get("perm_B")
-    if perm_a is not None:
-        reason = _absorb(attrs, perm_a, "A")
+    inputs = {"A": m.a, "B": m.b}
+    reasons = []
+    # Each side on its own: a Transpose FusedMatMul cannot express (attention's [0, 2, 1, 3]
+    # on q) stays and is read as it is, while the other side's is absorbed (k's last-two swap).
+    for side, perm in (("A", perm_a), ("B", perm_b)):
+        if perm is None:
+            continue
+        reason = _absorb(attrs, perm, side)
         if reason is not None:
-            return reason
-    if perm_b is not None:
-        reason = _absorb(attrs, perm_b, "B")
-        if reason is not None:
-            return reason
+            reasons.append(reason)
+            inputs[side] = m.get(f"transpose_{side}").proto.output[0]
+    if len(reasons) == (perm_a is not None) + (perm_b is not None):
+        return "; ".join(reasons)
     if attrs["transBatchA"] or attrs["transBatchB"]:
         # onnxruntime's FusedMatMul kernel refuses transBatch unless both inputs have the
         # same rank >= 3 (matmul_helper.h: "Two inputs should have same rank and rank >= 3
@@ -46,7 +52,7 @@ def fuse(m):
             shown = ", ".join("unknown" if r is None else str(r) for r in ranks)
             return (f"transBatch needs both inputs of the same rank >= 3 (ranks {shown}); "
                     "onnxruntime rejects anything else")
-    if attrs["transA"] and perm_a is not None:
+    if attrs["transA"] and perm_a is not None and inputs["A"] is m.a:
         # onnxruntime's CPU FusedMatMul computes wrong values for transA=1 with a rank-1 B
         # (found by tests/robustness: MatMul(Transpose(a), b[k]) came out different).
         # (An unknown rank is let through: after a YieldOp shapes are often unknown, and
@@ -54,7 +60,7 @@ def fuse(m):
         b_shape = m.b.shape
         if b_shape is not None and len(b_shape) < 2:
             return "transA with a rank-1 B: onnxruntime's FusedMatMul gets it wrong"
-    return op.ms.FusedMatMul(m.a, m.b, **attrs)
+    return op.ms.FusedMatMul(inputs["A"], inputs["B"], **attrs)
 
 
 RULE = Rule(
@@ -63,7 +69,9 @@ RULE = Rule(
                 "transA/transB/transBatchA/transBatchB",
     level=2,
     tags=("fusion", "com.microsoft"),
-    match=one_of(
+    match=one_of(  # both sides transposed first: each side is then decided on its own
+        op.MatMul(_transposed(a, "A"), _transposed(b, "B"), _name="base"),
+        op.ms.FusedMatMul(_transposed(a, "A"), _transposed(b, "B"), _name="base"),
         op.MatMul(_transposed(a, "A"), b, _name="base"),
         op.MatMul(a, _transposed(b, "B"), _name="base"),
         op.ms.FusedMatMul(_transposed(a, "A"), b, _name="base"),

@@ -268,3 +268,22 @@ def test_every_onnxruntime_fusedmatmul_appears_in_ours(name, tmp_path):
     feeds = fixture_feeds(name + ".onnx")
     np.testing.assert_allclose(run_ort(out, feeds)[0], run_ort(path, feeds)[0],
                                rtol=1e-5, atol=1e-5)
+
+
+def test_b_is_absorbed_when_a_cannot_be():
+    # GPT-BigCode's attention: q Transposed [0, 2, 1, 3] (not a FusedMatMul flag), k^T as
+    # Transpose [0, 1, 3, 2] (transB): the second goes even though the first must stay.
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,5,3,4] q, float[2,3,5,4] k) => (float[2,3,5,5] y) {
+          qt = Transpose <perm = [0, 2, 1, 3]> (q)
+          kt = Transpose <perm = [0, 1, 3, 2]> (k)
+          y = MatMul(qt, kt)
+        }""")
+    out, report = run(model)
+    assert op_types(out) == ["Transpose", "FusedMatMul"]
+    (node,) = fused(out)
+    assert list(node.input) == ["qt", "k"] and fused_attrs(node)["transB"] == 1
+    assert report.rules[RULE].rewrites == 1
+    assert_same_outputs(model, out)
+    assert_second_run_changes_nothing(out, [RULE])
