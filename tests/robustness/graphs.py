@@ -533,6 +533,11 @@ class Builder:
         x = self.pick(min_rank=1)
         if self.draw(st.booleans()):
             x = self.symbolic_input(self.shape[x], keep=-1)
+        if self.draw(st.integers(0, 2)) == 0:  # the shape of a transposed tensor (MPT's q)
+            x = self.node("Transpose", [x], out_shapes=[[]], pool=False,
+                          perm=self.perm(len(self.shape[x])))[0]
+            perm = list(self.nodes[-1].attribute[0].ints)
+            self.shape[x] = tuple(self.shape[self.nodes[-1].input[0]][p] for p in perm)
         axis = self.draw(st.integers(0, len(self.shape[x]) - 1))
         d = self.shape_of(x, axis, scalar)
         out = [] if scalar else [1]
