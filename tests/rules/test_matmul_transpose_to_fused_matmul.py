@@ -265,6 +265,11 @@ def test_every_onnxruntime_fusedmatmul_appears_in_ours(name, tmp_path):
         assert key in ours, f"onnxruntime's {key} missing; ours: {sorted(ours)}"
         assert ours[key] == pytest.approx(fused_attrs(node))
     assert all(n.domain == "com.microsoft" for n in fused(out))
+
+    def matmul_like(model):  # the README's claim: never more of these than onnxruntime
+        return sum(n.op_type in ("Transpose", "MatMul", "FusedMatMul") for n in model.graph.node)
+
+    assert matmul_like(out) <= matmul_like(ort_optimized(path, tmp_path))
     feeds = fixture_feeds(name + ".onnx")
     np.testing.assert_allclose(run_ort(out, feeds)[0], run_ort(path, feeds)[0],
                                rtol=1e-5, atol=1e-5)
