@@ -11,6 +11,10 @@ fused projection has a fixed size). ONNX Runtime folds Shape only when every dim
 static.
 
 Shapes come from the model's declared types and ONNX shape inference (Graph.static_shape).
+The model's inference runs once per optimization, but every constant folded can make more
+dimensions static (a Reshape whose shape became a constant), so each run of this pass first
+refines the known types with a fresh inference: without that, a second optimization of the
+result would still find work (not a fixpoint).
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import onnx
 from onnx import numpy_helper
 
 from graphopt.dsl import Pass
-from graphopt.ir import STANDARD_DOMAIN, subgraphs_of
+from graphopt.ir import STANDARD_DOMAIN, subgraphs_of, type_dims
 
 
 def _dims(graph, tensor: str) -> list[int | None] | None:
@@ -103,10 +107,51 @@ def _value(graph, node_id: int):
     return np.array(values, dtype=np.int64).reshape(picked.shape)
 
 
+def _more_static(old: onnx.TypeProto, new: onnx.TypeProto) -> bool:
+    """``new`` says the same as ``old`` and knows more dims (never a conflicting one)."""
+    old_dims, new_dims = type_dims(old), type_dims(new)
+    if new_dims is None or old.tensor_type.elem_type != new.tensor_type.elem_type:
+        return False
+    if old_dims is None:
+        return True
+    if len(old_dims) != len(new_dims):
+        return False
+    gained = False
+    for was, now in zip(old_dims, new_dims, strict=True):
+        if isinstance(was, int):
+            if was != now:
+                return False
+        elif isinstance(now, int):
+            gained = True
+    return gained
+
+
+def refine_types(graph) -> None:
+    """The main graph's types, refined by ONNX inference (with data propagation) of the model
+    as it is now; through set_type, so a rollback undoes it."""
+    if graph is not graph.model.graph:
+        return  # a subgraph's types come with the main graph's inference
+    try:
+        inferred = onnx.shape_inference.infer_shapes(graph.model.flush(), data_prop=True)
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError):
+        return
+    for vi in inferred.graph.value_info:
+        name, new = vi.name, vi.type
+        if not new.HasField("tensor_type") or not (name in graph.producer
+                                                   or name in graph.consumers):
+            continue
+        old = graph.types.get(name)
+        if old is None or _more_static(old, new):
+            graph.set_type(name, new)
+
+
 FOLDED = ("Shape", "Size", "Gather", "Slice")
 
 
 def fold(graph, report) -> int:
+    if not (graph.nodes_of_type("Shape") or graph.nodes_of_type("Size")):
+        return 0
+    refine_types(graph)
     candidates = [i for op_type in FOLDED for i in graph.nodes_of_type(op_type)]
     folded = 0
     for node_id in sorted(candidates, key=graph.order.__getitem__):
