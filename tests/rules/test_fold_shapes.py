@@ -154,3 +154,33 @@ def test_result_is_deterministic():
     second, _ = graphopt.optimize(model, level=2)
     assert first.SerializeToString() == second.SerializeToString()
     onnx.checker.check_model(first)
+
+
+def test_shapes_made_static_by_folded_constants_fold_in_the_same_run():
+    # Reshape's shape is computed from Shape(x)[1:2] through a Neg, which ONNX inference
+    # cannot see through: only once fold_shapes and then fold_constants have folded it is the
+    # Reshape's output shape known. The pass re-infers, so one optimization gets it all.
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[B,12] x) => (float[B,3,4] y) {
+          sx = Shape(x)
+          one = Constant <value = int64[1] {1}> ()
+          two = Constant <value = int64[1] {2}> ()
+          d = Slice(sx, one, two)
+          nd = Neg(d)
+          minus4 = Constant <value = int64[1] {-4}> ()
+          q = Div(nd, minus4)
+          rest = Constant <value = int64[1] {-1}> ()
+          four = Constant <value = int64[1] {4}> ()
+          shape = Concat <axis = 0> (rest, q, four)
+          r = Reshape(x, shape)
+          s = Shape(r)
+          i = Constant <value = int64 {1}> ()
+          g3 = Gather(s, i)
+          f = Cast <to = 1> (g3)
+          y = Mul(r, f)
+        }""")
+    out, _ = graphopt.optimize(model, level=1)
+    assert op_types(out) == ["Reshape", "Mul"]
+    assert_same_outputs(model, out, atol=0, rtol=0)
+    assert_second_run_changes_nothing(out, [PASS, "fold_constants"])
