@@ -73,6 +73,7 @@ CASES = {
     "pow_integer_exponent": lambda: one_op("Pow", {"a": rand(2, 3)}, consts={"p": ints(3)}),
     # elementwise
     "sqrt": lambda: one_op("Sqrt", {"x": rng.uniform(0.5, 2, (2, 3))}),
+    "reciprocal": lambda: one_op("Reciprocal", {"x": rng.uniform(0.5, 2, (2, 3))}),
     "exp": lambda: one_op("Exp", {"x": rand(2, 3)}),
     "log": lambda: one_op("Log", {"x": rng.uniform(0.5, 2, (2, 3))}),
     "neg": lambda: one_op("Neg", {"x": rand(2, 3)}),

@@ -149,6 +149,12 @@ def sqrt(ctx: GradientContext):  # d sqrt(x) = 1 / (2 sqrt(x))
     return [ctx.op("Div", ctx.op("Mul", ctx.dy, ctx.scalar(0.5, y)), y)]
 
 
+@gradient("Reciprocal")
+def reciprocal(ctx: GradientContext):  # d(1/x) = -1/x^2 = -y*y (dynamo's RMSNorm rsqrt)
+    y = ctx.output(0)
+    return [ctx.op("Neg", ctx.op("Mul", ctx.dy, ctx.op("Mul", y, y)))]
+
+
 @gradient("Exp")
 def exp(ctx: GradientContext):
     return [ctx.op("Mul", ctx.dy, ctx.output(0))]
