@@ -644,7 +644,7 @@ class Builder:
 @st.composite
 def graphs(draw, max_ops: int = 12, yield_probability: float = 0.25):
     """A random valid ONNX model (ModelProto) and a dict describing it."""
-    opset = draw(st.sampled_from([12, 13, 14, 17, 17, 18]))
+    opset = draw(st.sampled_from([11, 12, 13, 14, 17, 17, 18]))
     dtype = draw(st.sampled_from([TensorProto.FLOAT] * 12 + [TensorProto.DOUBLE,
                                                               TensorProto.FLOAT16]))
     b = Builder(draw, dtype, opset)
