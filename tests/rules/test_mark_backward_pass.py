@@ -321,3 +321,9 @@ def test_if_reading_a_tensor_implicitly_is_an_ancestor_through_its_subgraph():
     assert got["fw_route"] is None
     assert all(got[name] is None for name in FORWARD)
     assert {name for name, v in got.items() if v == 1} == BACKWARD
+
+
+def test_constant_nodes_after_the_yieldop_stay_unmarked_as_the_readme_says():
+    out, _ = graphopt.optimize(_scaled_backward_matmul(True), [PASS])
+    assert marks(out)["bw_half"] is None  # a standard Constant: never marked
+    assert marks(out)["bw_mm2"] == 1 and marks(out)["bw_scale"] == 1
