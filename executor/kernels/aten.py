@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..registry import kernel
+from ._scatter import scatter_rows
 from ._util import norm_axis
 
 ATEN_DOMAIN = "org.pytorch.aten"
@@ -26,15 +27,6 @@ def _flag(ctx, value, default=False) -> bool:
 
 def _int(ctx, value, default: int) -> int:
     return default if value is None or value.size == 0 else int(ctx.host_scalar(value))
-
-
-def _scatter_add(xp, target, index, values) -> None:
-    if xp is np:
-        np.add.at(target, index, values)
-    else:
-        import cupyx  # noqa: PLC0415
-
-        cupyx.scatter_add(target, index, values)
 
 
 def embedding(ctx, node, weight, indices, padding_idx=None, scale_grad_by_freq=None,
@@ -58,7 +50,7 @@ def embedding_backward(ctx, node, grad, indices, num_weights, padding_idx=None,
         counts = xp.bincount(flat, minlength=rows)
         grad = grad / counts[flat].astype(grad.dtype)[:, None]
     result = xp.zeros((rows, grad.shape[1]), dtype=grad.dtype)
-    _scatter_add(xp, result, flat, grad)
+    scatter_rows(ctx, result, flat.astype(np.int64), grad, "add")  # NumPy's bits everywhere
     if padding >= 0:
         result[padding] = 0
     return result
