@@ -18,6 +18,8 @@ result would still find work (not a fixpoint).
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import onnx
 from onnx import numpy_helper
@@ -148,10 +150,24 @@ def refine_types(graph) -> None:
 FOLDED = ("Shape", "Size", "Gather", "Slice")
 
 
+# graph -> (nodes, initializers) when its types were last refined: folds change both counts
+_REFINED_AT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _refine_if_folded(graph, force: bool = False) -> None:
+    """Refine the types when something was folded since the last refinement (by this pass
+    or by fold_constants): a Slice whose bounds just became constants has a static output."""
+    snapshot = (len(graph.nodes), len(graph.initializers))
+    if force or _REFINED_AT.get(graph) != snapshot:
+        refine_types(graph)
+        _REFINED_AT[graph] = (len(graph.nodes), len(graph.initializers))
+
+
 def fold(graph, report) -> int:
-    if not (graph.nodes_of_type("Shape") or graph.nodes_of_type("Size")):
-        return 0
-    refine_types(graph)
+    has_shapes = graph.nodes_of_type("Shape") or graph.nodes_of_type("Size")
+    if not has_shapes and graph not in _REFINED_AT:
+        return 0  # nothing to fold, nothing folded before: the first inference holds
+    _refine_if_folded(graph)
     candidates = [i for op_type in FOLDED for i in graph.nodes_of_type(op_type)]
     folded = 0
     for node_id in sorted(candidates, key=graph.order.__getitem__):
@@ -169,6 +185,8 @@ def fold(graph, report) -> int:
         graph.add_initializer(numpy_helper.from_array(value, outputs[0]))
         graph.remove_dead(inputs)
         folded += 1
+    if folded:  # what this run folded shapes the tensors the rules after it look at
+        _refine_if_folded(graph, force=True)
     return folded
 
 

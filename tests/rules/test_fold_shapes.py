@@ -184,3 +184,29 @@ def test_shapes_made_static_by_folded_constants_fold_in_the_same_run():
     assert op_types(out) == ["Reshape", "Mul"]
     assert_same_outputs(model, out, atol=0, rtol=0)
     assert_second_run_changes_nothing(out, [PASS, "fold_constants"])
+
+
+def test_a_tensor_made_static_by_folded_bounds_is_split_in_the_same_run():
+    # a = x[:, :Shape(x)[1] / 2]: a's width is known only once the bound is folded, after the
+    # only Shape node is gone; the types are refined then too (found by tests/robustness)
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 11]>
+        g (float[B,12] x) => (float[B,3] p, float[B,3] q) {
+          sx = Shape(x)
+          one = Constant <value = int64 {1}> ()
+          n = Gather(sx, one)
+          two = Constant <value = int64 {2}> ()
+          half = Div(n, two)
+          end = Unsqueeze <axes = [0]> (half)
+          zero = Constant <value = int64[1] {0}> ()
+          ax = Constant <value = int64[1] {1}> ()
+          a = Slice(x, zero, end, ax)
+          three = Constant <value = int64[1] {3}> ()
+          six = Constant <value = int64[1] {6}> ()
+          p = Slice(a, zero, three, ax)
+          q = Slice(a, three, six, ax)
+        }""")
+    out, _ = graphopt.optimize(model, level=1)
+    assert "Split" in op_types(out)
+    assert_same_outputs(model, out, atol=0, rtol=0)
+    assert_second_run_changes_nothing(out, [PASS, "fold_constants", "gather_slice_to_split"])
