@@ -78,9 +78,10 @@ def optimize(model, rules: Iterable | None = None, *, level: int = 2,
 
 def why_not_selected(name: str, *, rules: Iterable | None = None, level: int = 2,
                      enable: Iterable[str] = (), disable: Iterable[str] = (),
-                     provider: str | None = None) -> str:
-    """Why select_rules left the rule ``name`` out, for --explain."""
+                     provider: str | None = None, only: Iterable[str] = ()) -> str:
+    """Why select_rules (same arguments) left the rule ``name`` out, for --explain."""
     rule = all_rules().get(name)
+    only = list(only)
     if rule is None:
         return "not selected"
     if name in set(disable):
@@ -88,6 +89,8 @@ def why_not_selected(name: str, *, rules: Iterable | None = None, level: int = 2
     if provider is not None and provider not in rule.providers:
         return (f"gated by provider: runs on {', '.join(sorted(rule.providers))}, "
                 f"not {provider}")
+    if only and name not in only and name not in set(enable):
+        return "not among the rules --only names"
     if rules is not None and name not in set(enable):
         return "not among the rules asked for"
     if rule.level > level:
