@@ -118,6 +118,26 @@ def test_large_results_are_not_folded():
     assert_second_run_changes_nothing(out, [PASS])
 
 
+def test_small_inputs_with_a_large_result_are_not_folded():
+    """The limit is on the result too: Expand of a 1-element constant to 64 x 65 (4160
+    elements) stays a node; to 64 x 64 (4096) it is folded."""
+    def expand_to(rows: int, cols: int) -> onnx.ModelProto:
+        return model_from_text(f"""
+            <ir_version: 8, opset_import: ["" : 17]>
+            g (float[{rows},{cols}] x) => (float[{rows},{cols}] y) {{
+              one = Constant <value = float[1] {{1.0}}> ()
+              shape = Constant <value = int64[2] {{{rows}, {cols}}}> ()
+              big = Expand(one, shape)
+              y = Add(x, big)
+            }}""")
+    kept, report = run(expand_to(64, 65))
+    assert "Expand" in op_types(kept)
+    assert not any(t.name == "big" for t in kept.graph.initializer)
+    folded, _ = run(expand_to(64, 64))
+    assert "Expand" not in op_types(folded)
+    assert initializer(folded, "big").shape == (64, 64)
+
+
 def test_random_and_contrib_ops_are_not_folded():
     model = model_from_text("""
         <ir_version: 8, opset_import: ["" : 17, "com.microsoft" : 1]>
