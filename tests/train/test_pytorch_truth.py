@@ -89,19 +89,22 @@ def _dot_loss_model(path) -> str:
     return str(path)
 
 
-def test_dynamic_loss_scaling_matches_pytorch_gradscaler(tmp_path):
-    """Scale used, steps skipped on overflow, back-off and growth, and the unscaled SGD
-    updates, step for step against torch.amp.GradScaler."""
+@pytest.mark.parametrize("optimizer", TRAIN_META["scaling"]["optimizers"])
+def test_dynamic_loss_scaling_matches_pytorch_gradscaler(tmp_path, optimizer):
+    """Scale used, steps skipped on overflow, back-off and growth, and the updates, step for
+    step against torch.amp.GradScaler: SGD sees whether the gradients were unscaled, AdamW
+    whether a skipped step counted for its bias correction."""
     meta = TRAIN_META["scaling"]
+    truth = {k: TRAINING[f"scaling/{optimizer}/{k}"] for k in ("scales", "applied", "params")}
     data = _in_graphopt_order({"x": TRAINING["scaling/x"]}, 1, seed=5)
     outcome = run(RunOptions(model=_dot_loss_model(tmp_path / "dot.onnx"),
                              data=write_npz(tmp_path / "d.npz", data), loss="loss",
-                             steps=meta["steps"], batch_size=1, optimizer=meta["optimizer"],
-                             lr=meta["lr"], seed=5, device="cpu", quiet=True,
+                             steps=meta["steps"], batch_size=1, optimizer=optimizer,
+                             lr=meta["lr"], weight_decay=0.0, seed=5, device="cpu", quiet=True,
                              loss_scale=f"dynamic:{meta['init']:g}:{meta['interval']}"))
     history = outcome.result.history
-    assert [r["loss_scale"] for r in history] == TRAINING["scaling/scales"].tolist()
-    assert [r["applied"] for r in history] == TRAINING["scaling/applied"].tolist()
+    assert [r["loss_scale"] for r in history] == truth["scales"].tolist()
+    assert [r["applied"] for r in history] == truth["applied"].tolist()
     assert outcome.result.skipped == len(meta["overflow_steps"])
-    np.testing.assert_allclose(outcome.result.params["p"], TRAINING["scaling/params"][-1],
+    np.testing.assert_allclose(outcome.result.params["p"], truth["params"][-1],
                                rtol=1e-6, atol=1e-7)
