@@ -1,6 +1,6 @@
 """The exit codes the README promises: a Ctrl-C'd `graphopt run` exits 130 (after saving
-where it got to), running out of memory is a user-facing error (one line, exit 1), as is
-every other GraphoptError."""
+where it got to), as does any interrupt inside a command; running out of memory is a
+user-facing error (one line, exit 1), as is every other GraphoptError."""
 from __future__ import annotations
 
 import os
@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from graphopt import api
 from graphopt.cli import main
+from graphopt.console import INTERRUPTED
 from graphopt.errors import GraphoptError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -54,17 +55,18 @@ def test_an_interrupted_run_exits_130_and_says_where_it_stopped(tmp_path):
     assert os.path.isfile(tmp_path / "ck" / "checkpoint.npz")
 
 
-@pytest.mark.parametrize("raised, message", [
-    (MemoryError(), "graphopt: error: out of memory"),
-    (GraphoptError("the model is bad"), "graphopt: error: the model is bad"),
+@pytest.mark.parametrize("raised, code, message", [
+    (MemoryError(), 1, "graphopt: error: out of memory"),
+    (GraphoptError("the model is bad"), 1, "graphopt: error: the model is bad"),
+    (KeyboardInterrupt(), 130, INTERRUPTED),  # a Ctrl-C inside a command's body
 ])
-def test_out_of_memory_and_user_errors_exit_1_with_one_line(tmp_path, monkeypatch, raised,
+def test_out_of_memory_and_user_errors_exit_1_with_one_line(tmp_path, monkeypatch, raised, code,
                                                              message):
     def fail(*args, **kwargs):
         raise raised
 
     monkeypatch.setattr(api, "optimize_file", fail)
     result = CliRunner().invoke(main, ["optimize", MLP, "-o", str(tmp_path / "out.onnx")])
-    assert result.exit_code == 1
+    assert result.exit_code == code
     assert result.stderr.strip() == message
     assert not os.path.exists(tmp_path / "out.onnx")

@@ -101,6 +101,17 @@ def test_rollback_removes_the_initializers_a_transaction_added():
     assert "added" not in {t.name for t in model.flush().graph.initializer}
 
 
+def test_rollback_brings_back_the_initializers_a_transaction_removed():
+    model = modelio.load(model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[3] x) => (float[3] y) <float[3] w = {1.0, 2.0, 3.0}> { y = Add(x, w) }"""))
+    graph = model.graph
+    graph.begin()
+    graph.remove_initializer("w")
+    graph.rollback()
+    assert numpy_helper.to_array(graph.initializers["w"]).tolist() == [1.0, 2.0, 3.0]
+
+
 def test_rollback_restores_a_redirected_consumer():
     model = modelio.load(model_from_text(TWO_TRANSPOSES))
     graph = model.graph

@@ -63,11 +63,14 @@ def _dead_pid() -> int:
 def test_a_live_writers_temporary_file_survives_the_clean_up(tmp_path):
     live = tmp_path / _temp_name(os.getppid())  # our parent: alive, and not us
     live.write_bytes(b"being written")
+    ours = tmp_path / _temp_name(os.getpid())  # another save of this process, in flight
+    ours.write_bytes(b"ours, being written")
     dead = tmp_path / _temp_name(_dead_pid())
     dead.write_bytes(b"left by a killed writer")
     other_host = tmp_path / f"{ckpt.TEMP_PREFIX}{ckpt._host_tag()}x-1-abc{ckpt.TEMP_SUFFIX}"
     other_host.write_bytes(b"another host's writer")
     ckpt.save(str(tmp_path), _checkpoint())
     assert live.exists() and live.read_bytes() == b"being written"
+    assert ours.exists()
     assert not dead.exists()
     assert other_host.exists()

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from graphopt.executor.train import RunOptions, run
+from graphopt.executor.train.loss_scaling import DynamicLossScaler
 
 from .helpers import MLP, mlp_data, write_npz
 
@@ -25,3 +26,10 @@ def test_gradients_are_unscaled_before_the_optimizer_step(tmp_path, loss_scale):
         # powers of two: scaling and unscaling are exact in float32
         np.testing.assert_allclose(scaled.params[name], value, rtol=1e-6, atol=1e-8,
                                    err_msg=name)
+
+
+def test_back_off_stops_at_a_scale_of_1():
+    """Below 1 scaling would push small gradients further into the FP16 subnormals."""
+    scaler = DynamicLossScaler(init=4.0, interval=100)
+    assert [scaler.update(True) or scaler.scale for _ in range(4)] == [2.0, 1.0, 1.0, 1.0]
+    assert scaler.skipped == 4
