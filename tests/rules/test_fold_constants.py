@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from conftest import (
     assert_no_change,
     assert_same_outputs,
@@ -116,6 +117,29 @@ def test_large_results_are_not_folded():
     assert report.rules[PASS].rewrites == 1
     assert_same_outputs(model, out, atol=0, rtol=0)
     assert_second_run_changes_nothing(out, [PASS])
+
+
+@pytest.mark.parametrize("node", [
+    "y = Bernoulli(p)",
+    "y = Multinomial <sample_size = 2> (logits)",
+    "y, mask = Dropout(v, ratio, train)",
+])
+def test_random_results_of_constant_inputs_are_not_folded(node):
+    """Folding would freeze one draw into the model: every run must draw anew."""
+    model = model_from_text(f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g () => (float[2, 2] out) {{
+          p = Constant <value = float[2, 2] {{0.5, 0.5, 0.5, 0.5}}> ()
+          logits = Constant <value = float[2, 2] {{0.0, 0.0, 0.0, 0.0}}> ()
+          v = Constant <value = float[2, 2] {{1.0, 2.0, 3.0, 4.0}}> ()
+          ratio = Constant <value = float {{0.5}}> ()
+          train = Constant <value = bool {{1}}> ()
+          {node}
+          yf = Cast <to = 1> (y)
+          out = Identity(yf)
+        }}""")
+    out, _ = run(model)
+    assert node.split("= ")[1].split(" ")[0].split("(")[0] in op_types(out)
 
 
 def test_small_inputs_with_a_large_result_are_not_folded():
