@@ -125,6 +125,21 @@ def test_rollback_restores_a_redirected_consumer():
     assert consumer in graph.consumers["t"] and consumer not in graph.consumers.get("x", {})
 
 
+def test_rollback_undoes_in_reverse_order():
+    """Two edits of the same input: undoing them oldest first would leave the middle one."""
+    model = modelio.load(model_from_text(TWO_TRANSPOSES))
+    graph = model.graph
+    consumer = graph.producer["y"]
+    graph.begin()
+    graph.replace_input(consumer, 0, "x")
+    graph.add_initializer(numpy_helper.from_array(np.ones(3, np.float32), "w"))
+    graph.replace_input(consumer, 0, "w")
+    graph.remove_initializer("w")
+    graph.rollback()
+    assert graph.node_inputs[consumer] == ("t",)
+    assert "w" not in graph.initializers
+
+
 # Unsqueeze(x, axes) -> x: the Relu reading 'u' is redirected to 'x', which passes the local
 # checks but breaks the declared rank-3 output: the whole rewrite must be undone, edge included.
 DROP_UNSQUEEZE = Rule(name="test_drop_unsqueeze_redirect", description="wrong on purpose",
