@@ -96,10 +96,14 @@ NN = "graphopt/training/gradients/nn.py"
 MUTANTS: list[Mutant] = [
     # ---- optimizers: PyTorch's update formulas -------------------------------------------
     m("adamw_bias1_one_step_ahead", "optimizers", OPT,
-      "bias1 = 1.0 - self.beta1 ** self.steps", "bias1 = 1.0 - self.beta1 ** (self.steps + 1)",
+      "        bias1 = 1.0 - self.beta1 ** self.steps\n"
+      "        bias2 = 1.0 - self.beta2 ** self.steps\n        denom",
+      "        bias1 = 1.0 - self.beta1 ** (self.steps + 1)\n"
+      "        bias2 = 1.0 - self.beta2 ** self.steps\n        denom",
       *T_OPT),
     m("adamw_bias2_dropped", "optimizers", OPT,
-      "bias2 = 1.0 - self.beta2 ** self.steps", "bias2 = 1.0", *T_OPT),
+      "        bias2 = 1.0 - self.beta2 ** self.steps\n        denom",
+      "        bias2 = 1.0\n        denom", *T_OPT),
     m("adamw_decay_after_the_step", "optimizers", OPT,
       "        param *= 1.0 - self.lr * self.weight_decay\n        m = self._slot",
       "        m = self._slot", *T_OPT,
@@ -131,9 +135,10 @@ MUTANTS: list[Mutant] = [
       "return AdamW(lr, 0.0 if weight_decay is None",
       *T_OPT),
     m("skipped_step_counts_for_bias_correction", "optimizers", LOOP,
-      "        if applied:\n            self.optimizer.step(self.params, grads)\n",
+      "        if applied:\n            self.optimizer.step(self.params, grads, factor)\n",
       "        self.optimizer.steps += 0 if applied else 1\n"
-      "        if applied:\n            self.optimizer.step(self.params, grads)\n", *T_SCALE),
+      "        if applied:\n            self.optimizer.step(self.params, grads, factor)\n",
+      *T_SCALE),
     # ---- loss scaling ---------------------------------------------------------------------
     m("gradients_not_unscaled", "loss scaling", LOOP,
       "                grad /= np.float32(scale)", "                pass", *T_SCALE),
@@ -229,7 +234,7 @@ MUTANTS: list[Mutant] = [
       "if values is None or any(np.asarray(v).size > MAX_FOLDED_ELEMENTS for v in values):",
       "if values is None:", *T_FOLD),
     m("fold_graph_output_producer", "rules", FOLD,
-      "                or any(graph.is_output(o) for o in node.output)\n", "", *T_FOLD),
+      " or any(graph.is_output(o) for o in node.output):", ":", *T_FOLD),
     m("fold_random_ops", "rules", FOLD,
       '"RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"})',
       '"RandomUniformLike"})', *T_FOLD),
@@ -336,8 +341,9 @@ MUTANTS: list[Mutant] = [
       'click.echo("graphopt: error: out of memory", err=True)\n            sys.exit(1)',
       'click.echo("graphopt: error: out of memory", err=True)\n            sys.exit(2)', *T_CLI),
     m("user_error_exits_2", "cli exit codes", CLI,
-      'click.echo(f"graphopt: error: {exc}", err=True)\n            sys.exit(1)',
-      'click.echo(f"graphopt: error: {exc}", err=True)\n            sys.exit(2)', *T_CLI),
+      'click.echo(f"graphopt: error: {cli_words(str(exc))}", err=True)\n            sys.exit(1)',
+      'click.echo(f"graphopt: error: {cli_words(str(exc))}", err=True)\n            sys.exit(2)',
+      *T_CLI),
     m("keyboard_interrupt_exits_1", "cli exit codes", CLI,
       "            click.echo(INTERRUPTED, err=True)\n            sys.exit(130)\n        except "
       "MemoryError",
