@@ -194,7 +194,7 @@ def test_failed_save_keeps_a_previous_output_intact(tmp_path, monkeypatch):
     before = open(out, "rb").read()
     onnx.save(weights_model(seed=5), src)
     monkeypatch.setattr(modelio.os, "replace", _boom)
-    with pytest.raises(graphopt.GraphoptError):
+    with pytest.raises(graphopt.GraphoptError, match="No space left on device"):
         graphopt.optimize_file(src, out)
     assert open(out, "rb").read() == before
     assert sorted(os.listdir(tmp_path)) == ["opt.onnx", "src.onnx"]
@@ -221,7 +221,7 @@ def test_failed_model_rename_keeps_a_previous_external_output_intact(tmp_path, m
         return real_replace(a, b)
 
     monkeypatch.setattr(modelio.os, "replace", replace_then_fail)
-    with pytest.raises(graphopt.GraphoptError):
+    with pytest.raises(graphopt.GraphoptError, match="No space left on device"):
         graphopt.optimize_file(src, out)
     monkeypatch.undo()
     assert sorted(os.listdir(out_dir)) == files_before

@@ -23,5 +23,5 @@ def test_cpu_defaults_to_native_and_mi200_is_emulated():
     assert Numerics(mode=None).mode == "native"
     emulated = Numerics(mode="mi200")
     assert emulated.emulates_flush and not emulated.hardware_flushes
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="numerics mode must be one of .* got 'mi300'"):
         Numerics(mode="mi300")

@@ -130,13 +130,15 @@ def test_policy_forms_and_validation():
     assert p.implementation("gemm", backward=True) == ORIG
     assert p.implementation("conv_bwd_data", backward=False) == ALT
     assert Fp16Policy(gemm=(ALT, ALT), conv=(ALT, ORIG, ALT)).conv_bwd_data == ORIG
-    for bad in (dict(gemm="fast"), dict(conv={"fwd": "x"}), dict(conv={"up": ALT}),
-                dict(gemm_rounding="rne")):
-        with pytest.raises(ValueError):
+    for bad, why in ((dict(gemm="fast"), "gemm must be 'original' or 'alternate', got 'fast'"),
+                     (dict(conv={"fwd": "x"}), "conv fwd must be 'original' or 'alternate'"),
+                     (dict(conv={"up": ALT}), r"conv mapping keys are .*got \['up'\]"),
+                     (dict(gemm_rounding="rne"), "gemm_rounding must be 'truncate' or 'rnz'")):
+        with pytest.raises(ValueError, match=why):
             Fp16Policy(**bad)
-    with pytest.raises(AttributeError):
+    with pytest.raises(AttributeError, match="immutable"):
         p.gemm_forward = ORIG
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown GEMM-class op 'attention'"):
         p.implementation("attention", backward=False)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from conftest import (
     assert_no_change,
     assert_same_outputs,
@@ -116,6 +117,49 @@ def test_large_results_are_not_folded():
     assert report.rules[PASS].rewrites == 1
     assert_same_outputs(model, out, atol=0, rtol=0)
     assert_second_run_changes_nothing(out, [PASS])
+
+
+@pytest.mark.parametrize("node", [
+    "y = Bernoulli(p)",
+    "y = Multinomial <sample_size = 2> (logits)",
+    "y, mask = Dropout(v, ratio, train)",
+])
+def test_random_results_of_constant_inputs_are_not_folded(node):
+    """Folding would freeze one draw into the model: every run must draw anew."""
+    model = model_from_text(f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g () => (float[2, 2] out) {{
+          p = Constant <value = float[2, 2] {{0.5, 0.5, 0.5, 0.5}}> ()
+          logits = Constant <value = float[2, 2] {{0.0, 0.0, 0.0, 0.0}}> ()
+          v = Constant <value = float[2, 2] {{1.0, 2.0, 3.0, 4.0}}> ()
+          ratio = Constant <value = float {{0.5}}> ()
+          train = Constant <value = bool {{1}}> ()
+          {node}
+          yf = Cast <to = 1> (y)
+          out = Identity(yf)
+        }}""")
+    out, _ = run(model)
+    assert node.split("= ")[1].split(" ")[0].split("(")[0] in op_types(out)
+
+
+def test_small_inputs_with_a_large_result_are_not_folded():
+    """The limit is on the result too: Expand of a 1-element constant to 64 x 65 (4160
+    elements) stays a node; to 64 x 64 (4096) it is folded."""
+    def expand_to(rows: int, cols: int) -> onnx.ModelProto:
+        return model_from_text(f"""
+            <ir_version: 8, opset_import: ["" : 17]>
+            g (float[{rows},{cols}] x) => (float[{rows},{cols}] y) {{
+              one = Constant <value = float[1] {{1.0}}> ()
+              shape = Constant <value = int64[2] {{{rows}, {cols}}}> ()
+              big = Expand(one, shape)
+              y = Add(x, big)
+            }}""")
+    kept, report = run(expand_to(64, 65))
+    assert "Expand" in op_types(kept)
+    assert not any(t.name == "big" for t in kept.graph.initializer)
+    folded, _ = run(expand_to(64, 64))
+    assert "Expand" not in op_types(folded)
+    assert initializer(folded, "big").shape == (64, 64)
 
 
 def test_random_and_contrib_ops_are_not_folded():

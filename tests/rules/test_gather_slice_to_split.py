@@ -329,6 +329,19 @@ def test_pieces_not_tiling_the_axis_change_nothing(index, reason):
     assert_unchanged(build(body, outputs="float[2,3,4] a, float[2,1,4] b"), reason)
 
 
+def test_pieces_stopping_one_short_of_the_end_change_nothing():
+    """[0, 3) and [3, 5) on an axis of size 6: element 5 is not covered, no Split."""
+    body = """
+        s0 = Constant <value = int64[1] {0}> ()
+        e0 = Constant <value = int64[1] {3}> ()
+        e1 = Constant <value = int64[1] {5}> ()
+        ax = Constant <value = int64[1] {1}> ()
+        a = Slice(x, s0, e0, ax)
+        b = Slice(x, e0, e1, ax)
+    """
+    assert_unchanged(build(body, outputs="float[2,3,4] a, float[2,2,4] b"), "stop at 5, size is 6")
+
+
 def test_consumers_on_different_axes():
     """Two pieces tile axis 1; the Gather on axis 2 is not part of it and stays."""
     body = """

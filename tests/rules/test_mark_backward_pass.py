@@ -122,6 +122,23 @@ def test_every_node_marked_exactly_when_it_should_be():
     assert [list(n.input) for n in out.graph.node] == [list(n.input) for n in model.graph.node]
 
 
+def test_constant_nodes_in_the_backward_part_stay_unmarked():
+    """A Constant computes nothing to guard, and ONNX reads a Constant with a second
+    attribute wrongly: it is left as it is while the nodes around it are marked."""
+    n = helper.make_node
+    extra = [n("Constant", [], ["two"], name="bw_const",
+               value=numpy_helper.from_array(np.array(2.0, np.float32))),
+             n("Mul", ["g_x", "two"], ["g_x2s"], name="bw_scale")]
+    out, report = graphopt.optimize(training_graph(extra_nodes=extra), [PASS])
+    got = marks(out)
+    assert got["bw_const"] is None
+    assert got["bw_scale"] == 1 and {name for name, v in got.items() if v == 1} == \
+        BACKWARD | {"bw_scale"}
+    assert report.rules[PASS].rollbacks == 0
+    (const,) = [node for node in out.graph.node if node.name == "bw_const"]
+    assert [a.name for a in const.attribute] == ["value"]
+
+
 def test_forward_node_feeding_only_the_backward_part_counts_as_backward():
     """DESIGN 3.2: "backward" is "YieldOp and every node that is not an ancestor of YieldOp",
     independent of node order. Transpose(x) stands before YieldOp in the node list and reads

@@ -184,3 +184,12 @@ def test_not_run_at_level_1():
     out, report = graphopt.optimize(model, level=1)
     assert out.SerializeToString() == model.SerializeToString()
     assert RULE not in report.rules
+
+
+@pytest.mark.parametrize("body", ["p = MatMul(a, b)\n y = Mul(p, s)",
+                                  "p = MatMul(a, b)\n y = Div(p, s)"])
+def test_rank_1_scale_of_a_scalar_product_is_not_fused(body):
+    """A dot product is rank 0; times a [1] scale it becomes rank 1, which alpha cannot do."""
+    unchanged(build(body, inputs="float[4] a, float[4] b", outputs="float[1] y",
+                    scale="float[1] s = {2.0}"),
+              "a rank-1 scale would broadcast a rank-0 tensor to rank 1")

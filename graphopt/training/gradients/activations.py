@@ -14,7 +14,8 @@ def relu(ctx: GradientContext):
 
 @gradient("Gelu")  # ONNX opset 20
 def gelu(ctx: GradientContext):
-    grad_op = "FastGeluGrad" if ctx.attr("approximate", "none") == "tanh" else "GeluGrad"
+    # onnx hands a STRING attribute back as bytes
+    grad_op = "FastGeluGrad" if ctx.attr("approximate", b"none") == b"tanh" else "GeluGrad"
     return [ctx.ms(grad_op, ctx.dy, ctx.input(0))]
 
 
