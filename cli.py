@@ -254,7 +254,8 @@ def list_rules():
 @click.option("--list-params", is_flag=True,
               help="Print what would be trained (and what not, and why), then exit.")
 @click.option("--disable", multiple=True, metavar="RULE", help="Do not run this rule.")
-@click.option("--seed", type=int, help="Data order and dropout seed (default 0).")
+@click.option("--seed", type=click.IntRange(0, 2**32 - 1),
+              help="Data order and dropout seed (default 0).")
 @click.option("--save-graph", type=click.Path(path_type=str), metavar="FILE.onnx",
               help="Write the rewritten training graph.")
 @click.option("--checkpoint", type=click.Path(file_okay=False, path_type=str), metavar="DIR",

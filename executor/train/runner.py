@@ -113,6 +113,21 @@ def _resolve_source(opts: RunOptions):
     return model.proto, load_npz(opts.data), {}, model
 
 
+def one_line(exc: BaseException) -> str:
+    """An error message on one line: the executor lists unsupported ops one per line."""
+    lines = [line.strip().lstrip("- ").strip() for line in str(exc).splitlines()]
+    lines = [line for line in lines if line] or [type(exc).__name__]
+    return " ".join([lines[0], "; ".join(lines[1:])]).strip()
+
+
+MAX_SEED = 2**32 - 1   # numpy's and CuPy's seed range (the step is mixed into it)
+
+
+def _check_seed(seed) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise GraphoptError(f"--seed must be an integer from 0 to {MAX_SEED}, not {seed!r}")
+
+
 def _check_outputs(opts: RunOptions, source) -> None:
     """Refuse bad output paths before any training happens: none may be a file of the input
     model (its external data included; -o may be the model itself with --in-place), and no
@@ -233,6 +248,7 @@ def _run(opts: RunOptions, echo, progress_stream, after_step,
         opts = _settings_from_checkpoint(opts, dist)
     if opts.seed is None:
         opts = dataclasses.replace(opts, seed=0)
+    _check_seed(opts.seed)
     precision, note = default_precision(forward, opts.precision)
     if note:
         say(f"note: {note}")
@@ -261,7 +277,7 @@ def _run(opts: RunOptions, echo, progress_stream, after_step,
                           training=True, seed=opts.seed,
                           denormal_stats=opts.denormal_report is not None)
     except ExecutorError as exc:
-        raise GraphoptError(str(exc)) from None
+        raise GraphoptError(one_line(exc)) from None
     if session.numerics is not None and hasattr(session.numerics, "describe"):
         say(session.numerics.describe())
 
@@ -325,7 +341,8 @@ def _run(opts: RunOptions, echo, progress_stream, after_step,
     try:
         result = trainer.run()
     except ExecutorError as exc:
-        raise GraphoptError(f"training step {trainer.step + 1} failed: {exc}") from None
+        raise GraphoptError(f"training step {trainer.step + 1} failed: {one_line(exc)}") \
+            from None
     finally:
         if log is not None:
             log.close()
