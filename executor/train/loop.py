@@ -238,6 +238,8 @@ class Trainer:
             if data.get(key) != value:
                 raise GraphoptError(f"checkpoint data {key} is {data.get(key)}, this run has "
                                     f"{value}; resume with the same data, --seed and --batch-size")
+        self.optimizer.check_arrays(state.optimizer_arrays, state.optimizer.get("steps", 0),
+                                    state.params)
         self.optimizer.load_state(state.optimizer, state.optimizer_arrays)
         self.scaler.load_state(state.scaler)
         self.params = self._placed({n: v.astype(master_dtype(self.settings.precision))

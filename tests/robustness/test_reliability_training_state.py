@@ -1,0 +1,338 @@
+"""Issue 12, items 14-19: `graphopt run` says what is wrong in one line (never a traceback, never
+a numpy warning first), refuses a checkpoint it did not write for this training graph, and
+keeps its checkpoint folder safe from a second Ctrl-C, SIGTERM and a second run.
+
+Each test is named after the item it pins; each failed on the code before its fix.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+from onnx import TensorProto, helper, numpy_helper
+
+from graphopt.cli import main
+from graphopt.errors import GraphoptError
+from graphopt.executor.train import RunOptions, run
+from graphopt.executor.train import checkpoint as ckpt
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MLP = os.path.join(HERE, os.pardir, "fixtures", "mlp.onnx")
+TRAIN = ["--loss", "cross_entropy", "--batch-size", "4", "--device", "cpu", "-q"]
+
+
+def cli(*args) -> tuple[int, str, str]:
+    """`graphopt ARGS` in-process: (exit code, stdout, stderr); an exception escaping the
+    command (a traceback for the user) fails the test here."""
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise AssertionError(f"uncaught {type(result.exception).__name__}: {result.exception}")
+    return result.exit_code, result.stdout, result.stderr
+
+
+def assert_one_error_line(code: int, stderr: str, *expected: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert code == 1 and len(lines) == 1, (code, stderr)
+    assert lines[0].startswith("graphopt: error: ") and "Traceback" not in stderr, stderr
+    for text in expected:
+        assert text in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def mlp_data(tmp_path_factory) -> str:
+    rng = np.random.default_rng(1)
+    path = tmp_path_factory.mktemp("data") / "data.npz"
+    np.savez(path, x=rng.standard_normal((42, 64)).astype(np.float32),
+             labels=rng.integers(0, 10, 42).astype(np.int64))
+    return str(path)
+
+
+def mlp_options(data: str, **overrides) -> RunOptions:
+    base = dict(model=MLP, data=data, loss="cross_entropy", batch_size=4, optimizer="adamw",
+                lr=0.01, seed=5, device="cpu", quiet=True, steps=3)
+    return RunOptions(**{**base, **overrides})
+
+
+def tiny_model(path: str, *, activation: str = "Relu", nodes=None, functions=(),
+               output_type=TensorProto.FLOAT) -> str:
+    """y = sum(activation(x @ W)) with a trainable W [4, 4]."""
+    nodes = nodes or [helper.make_node("MatMul", ["x", "W"], ["h"]),
+                      helper.make_node(activation, ["h"], ["a"]),
+                      helper.make_node("ReduceSum", ["a"], ["y"], keepdims=0)]
+    opsets = [helper.make_opsetid("", 17)] + [helper.make_opsetid(f.domain, 1)
+                                              for f in functions]
+    graph = helper.make_graph(
+        nodes, "tiny", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", output_type, [])],
+        initializer=[numpy_helper.from_array(
+            np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32), "W")])
+    model = helper.make_model(graph, opset_imports=opsets, functions=list(functions))
+    model.ir_version = 8
+    with open(path, "wb") as f:
+        f.write(model.SerializeToString())
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny") / "x.npz"
+    np.savez(path, x=np.random.default_rng(2).standard_normal((8, 4)).astype(np.float32))
+    return str(path)
+
+
+# -- item 14: one clear line, never a traceback --------------------------------------------
+def _external_weight_model(folder: str, location: str) -> str:
+    model = onnx.load(tiny_model(os.path.join(folder, "plain.onnx")))
+    weight = model.graph.initializer[0]
+    weight.ClearField("raw_data")
+    weight.ClearField("float_data")
+    weight.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", "0"), ("length", "64")):
+        entry = weight.external_data.add()
+        entry.key, entry.value = key, value
+    path = os.path.join(folder, "model.onnx")
+    with open(path, "wb") as f:
+        f.write(model.SerializeToString())
+    return path
+
+
+def test_item14_nul_byte_in_an_external_data_location_is_one_line(tmp_path, tiny_data):
+    model = _external_weight_model(str(tmp_path), "w\0.bin")
+    (tmp_path / "w.bin").write_bytes(bytes(64))
+    code, _, stderr = cli("optimize", model, "-o", tmp_path / "out.onnx")
+    assert_one_error_line(code, stderr, "NUL byte")
+    code, _, stderr = cli("run", model, "--data", tiny_data, "--loss", "output", "--steps", 1,
+                          "--batch-size", 4, "--device", "cpu", "-q")
+    assert_one_error_line(code, stderr, "NUL byte")
+    assert not (tmp_path / "out.onnx").exists()
+
+
+def test_item14_damaged_compressed_data_is_one_line(tmp_path):
+    rng = np.random.default_rng(1)
+    path = tmp_path / "data.npz"
+    np.savez_compressed(path, x=rng.integers(0, 3, (42, 64)).astype(np.float32),
+                        labels=rng.integers(0, 10, 42).astype(np.int64))
+    damaged = bytearray(path.read_bytes())
+    for offset in range(200, 300):   # inside the deflate stream of 'x': zlib.error on read
+        damaged[offset] ^= 0x55
+    path.write_bytes(bytes(damaged))
+    code, _, stderr = cli("run", MLP, "--data", path, "--steps", 1, *TRAIN)
+    assert_one_error_line(code, stderr, f"--data {path}: not a readable .npz file")
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32, 2**70])
+def test_item14_seed_out_of_range_is_one_line(mlp_data, seed):
+    code, _, stderr = cli("run", MLP, "--data", mlp_data, "--steps", 1, "--seed", seed, *TRAIN)
+    assert_one_error_line(code, stderr, "--seed")
+    with pytest.raises(GraphoptError, match="--seed must be an integer from 0 to 4294967295"):
+        run(mlp_options(mlp_data, seed=seed))
+
+
+def test_item14_onnx_validation_error_while_reading_external_data_is_one_line(
+        tmp_path, tiny_data, monkeypatch):
+    """A local function's Constant keeps its value in external data at 'w.bin'. The load's
+    check (onnx.checker) resolves it against the working directory, where a w.bin exists;
+    reading the weights resolves it in the model's folder, where w.bin is a symlink: onnx
+    raises its ValidationError there."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "real.bin").write_bytes(np.ones(16, np.float32).tobytes())
+    os.symlink("real.bin", folder / "w.bin")
+    value = onnx.TensorProto(name="c", data_type=TensorProto.FLOAT, dims=[4, 4],
+                             data_location=TensorProto.EXTERNAL)
+    for key, text in (("location", "w.bin"), ("offset", "0"), ("length", "64")):
+        entry = value.external_data.add()
+        entry.key, entry.value = key, text
+    scale = helper.make_function("local", "Scale", ["a"], ["b"],
+                                 [helper.make_node("Constant", [], ["C"], value=value),
+                                  helper.make_node("Mul", ["a", "C"], ["b"])],
+                                 [helper.make_opsetid("", 17)])
+    model = tiny_model(str(folder / "model.onnx"), functions=[scale], nodes=[
+        helper.make_node("MatMul", ["x", "W"], ["h"]),
+        helper.make_node("Scale", ["h"], ["s"], domain="local"),
+        helper.make_node("ReduceSum", ["s"], ["y"], keepdims=0)])
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (cwd / "w.bin").write_bytes(np.ones(16, np.float32).tobytes())
+    monkeypatch.chdir(cwd)
+    code, _, stderr = cli("run", model, "--data", tiny_data, "--loss", "output", "--steps", 1,
+                          "--batch-size", 4, "--device", "cpu", "-q")
+    assert_one_error_line(code, stderr, model)
+
+
+def test_item14_unsupported_ops_in_run_are_one_line(tmp_path, tiny_data):
+    # CumSum reads only the data: no gradient needed, but the executor has no kernel for it
+    model = tiny_model(str(tmp_path / "cumsum.onnx"), nodes=[
+        helper.make_node("MatMul", ["x", "W"], ["h"]),
+        helper.make_node("Constant", [], ["axis"], value=numpy_helper.from_array(
+            np.array(1, np.int64))),
+        helper.make_node("CumSum", ["x", "axis"], ["c"], name="running_total"),
+        helper.make_node("Mul", ["h", "c"], ["p"]),
+        helper.make_node("ReduceSum", ["p"], ["y"], keepdims=0)])
+    code, _, stderr = cli("run", model, "--data", tiny_data, "--loss", "output", "--steps", 1,
+                          "--batch-size", 4, "--device", "cpu", "-q")
+    assert_one_error_line(code, stderr, "does not support", "'running_total'", "CumSum")
+
+
+def test_item14_a_loss_output_without_a_float_type_is_one_line(tmp_path, tiny_data):
+    model = tiny_model(str(tmp_path / "int_loss.onnx"), output_type=TensorProto.INT64)
+    code, _, stderr = cli("run", model, "--data", tiny_data, "--loss", "output", "--steps", 1,
+                          "--batch-size", 4, "--device", "cpu", "-q")
+    assert_one_error_line(code, stderr, "float")
+
+
+@pytest.mark.parametrize("option,value,expected", [
+    ("--lr", "inf", "--lr must be a finite number > 0"),
+    ("--lr", "nan", "--lr must be a finite number > 0"),
+    ("--weight-decay", "inf", "--weight-decay must be a finite number >= 0"),
+    ("--loss-scale", "static:inf", "bad --loss-scale 'static:inf'"),
+    ("--loss-scale", "static:1e39", "bad --loss-scale 'static:1e39'"),   # inf in float32
+    # every step skipped and the scale stays inf when halved: exit 0, untrained model
+    ("--loss-scale", "dynamic:inf", "bad --loss-scale 'dynamic:inf'"),
+])
+def test_item14_non_finite_settings_are_refused_without_numpy_warnings(
+        mlp_data, option, value, expected):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code, _, stderr = cli("run", MLP, "--data", mlp_data, "--steps", 2, option, value,
+                              *TRAIN)
+    assert_one_error_line(code, stderr, expected)
+    assert not [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+def test_item14_a_huge_finite_lr_stops_in_one_line_without_numpy_warnings(mlp_data):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code, _, stderr = cli("run", MLP, "--data", mlp_data, "--steps", 3, "--lr", "1e308",
+                              *TRAIN)
+    assert_one_error_line(code, stderr, "step 2: loss is nan")
+    assert not [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+# -- checkpoints edited by hand (items 14 and 16) -------------------------------------------
+@pytest.fixture(scope="module")
+def good_checkpoint(tmp_path_factory, mlp_data) -> str:
+    folder = str(tmp_path_factory.mktemp("good") / "ckpt")
+    run(mlp_options(mlp_data, checkpoint=folder))
+    return folder
+
+
+def edited_checkpoint(good: str, target: str, meta_edit=None, arrays_edit=None) -> str:
+    with np.load(ckpt.path_in(good), allow_pickle=False) as archive:
+        arrays = {name: archive[name] for name in archive.files}
+    meta = json.loads(str(arrays["__meta__"]))
+    if meta_edit is not None:
+        meta_edit(meta)
+    if arrays_edit is not None:
+        arrays_edit(arrays)
+        meta["optimizer_arrays"] = [k[len("opt/"):] for k in arrays if k.startswith("opt/")]
+    arrays["__meta__"] = np.array(json.dumps(meta))
+    os.makedirs(target)
+    np.savez(ckpt.path_in(target), **arrays)
+    return target
+
+
+def _set(*path_and_value):
+    *path, value = path_and_value
+
+    def edit(meta):
+        for key in path[:-1]:
+            meta = meta[key]
+        meta[path[-1]] = value
+    return edit
+
+
+def _drop(*path):
+    def edit(meta):
+        for key in path[:-1]:
+            meta = meta[key]
+        del meta[path[-1]]
+    return edit
+
+
+# the six kinds of edit that made `--resume` print a traceback
+TRACEBACK_EDITS = {
+    "negative step": (_set("step", -3), None),
+    "optimizer steps not a number": (_set("optimizer", "steps", "x"), None),
+    "negative optimizer steps": (_set("optimizer", "steps", -1), None),
+    "optimizer steps missing": (_drop("optimizer", "steps"), None),
+    "loss scale not a number": (_set("scaler", "scale", "abc"), None),
+    "skipped count missing": (_drop("scaler", "skipped"), None),
+    "history not a list": (_set("history", "abc"), None),
+    "history record not an object": (_set("history", [1, 2, 3]), None),
+    "history loss not a number": (lambda m: m["history"][0].update(loss="x"), None),
+    "optimizer array name without a slot": (
+        None, lambda a: a.update({"opt/nokey": np.zeros(3, np.float32)})),
+    "optimizer array of another shape": (
+        None, lambda a: a.update({"opt/fc1.weight/exp_avg": np.zeros(3, np.float32)})),
+}
+
+
+@pytest.mark.parametrize("edit", list(TRACEBACK_EDITS))
+def test_item14_edited_checkpoint_metadata_is_one_line(tmp_path, good_checkpoint, mlp_data,
+                                                       edit):
+    folder = edited_checkpoint(good_checkpoint, str(tmp_path / "ckpt"), *TRACEBACK_EDITS[edit])
+    code, _, stderr = cli("run", MLP, "--data", mlp_data, "--steps", 6, "--seed", 5, "--lr",
+                          0.01, "--checkpoint", folder, "--resume", *TRAIN)
+    assert_one_error_line(code, stderr, "checkpoint")
+
+
+# edits that resumed silently, with numbers nobody's run produced
+SILENT_EDITS = {
+    "complex weights": (None, lambda a: a.update(
+        {"param/fc1.weight": a["param/fc1.weight"].astype(np.complex64) + 1j})),
+    "float64 weights": (None, lambda a: a.update(
+        {"param/fc1.weight": a["param/fc1.weight"].astype(np.float64)})),
+    "integer weights": (None, lambda a: a.update(
+        {"param/fc1.weight": a["param/fc1.weight"].astype(np.int32)})),
+    "complex optimizer state": (None, lambda a: a.update(
+        {"opt/fc1.weight/exp_avg": a["opt/fc1.weight/exp_avg"] + 0j})),
+    "optimizer state of a weight the model lacks": (None, lambda a: a.update(
+        {"opt/ghost/exp_avg": np.zeros(3, np.float32)})),
+    "optimizer slot missing": (None, lambda a: a.pop("opt/fc1.weight/exp_avg")),
+    "negative skipped-step count": (_set("scaler", "skipped", -5), None),
+    "negative loss scale": (_set("scaler", "scale", -2.0), None),
+    "fractional step": (_set("step", 2.5), None),
+    "step true": (_set("step", True), None),
+    "step without its history": (_set("step", 1), None),
+    "epoch that is not the step's": (_set("data", "epoch", 7), None),
+    "history record of another step": (lambda m: m["history"][1].update(step=9), None),
+    "skipped step without a reason": (lambda m: m["history"][2].update(applied=False), None),
+}
+
+
+@pytest.mark.parametrize("edit", list(SILENT_EDITS))
+def test_item16_every_checkpoint_field_is_validated(tmp_path, good_checkpoint, mlp_data, edit):
+    folder = edited_checkpoint(good_checkpoint, str(tmp_path / "ckpt"), *SILENT_EDITS[edit])
+    with pytest.raises(GraphoptError, match="checkpoint"):
+        run(mlp_options(mlp_data, steps=6, checkpoint=folder, resume=True))
+    # and what save() writes still loads: the validation is not stricter than the writer
+    state = ckpt.load(good_checkpoint)
+    assert state.step == 3 and state.scaler["skipped"] == 0
+
+
+def test_item16_checkpoints_with_skipped_steps_still_load(tmp_path, mlp_data):
+    """The counts the validation ties together (history, skipped steps, optimizer updates)
+    hold for a run whose dynamic loss scale skips steps, in fp16 master weights too."""
+    folder = str(tmp_path / "ckpt")
+    run(mlp_options(mlp_data, steps=4, precision="fp16", loss_scale="dynamic:1e38:2",
+                    checkpoint=folder))
+    state = ckpt.load(folder)
+    assert state.scaler["skipped"] > 0 and state.optimizer["steps"] == 4 - state.scaler["skipped"]
+    resumed = run(mlp_options(mlp_data, steps=6, precision="fp16", loss_scale="dynamic:1e38:2",
+                              checkpoint=folder, resume=True))
+    assert resumed.result.steps_done == 6
+
+
+def test_item16_a_copied_checkpoint_folder_still_resumes(tmp_path, good_checkpoint, mlp_data):
+    folder = str(tmp_path / "copy")
+    shutil.copytree(good_checkpoint, folder)
+    outcome = run(mlp_options(mlp_data, steps=4, checkpoint=folder, resume=True))
+    assert outcome.result.steps_done == 4
