@@ -265,6 +265,9 @@ def list_rules():
 @click.option("--resume", is_flag=True,
               help="Continue the run saved in --checkpoint DIR, with its settings (give "
                    "--steps/--epochs to train longer).")
+@click.option("--allow-changed-graph", is_flag=True,
+              help="Resume a checkpoint written for another training graph (e.g. to fine-tune "
+                   "a changed head); the weights must still match by name and shape.")
 @click.option("--log", "log_file", type=click.Path(path_type=str), metavar="FILE",
               help="Per-step log, FILE.csv or FILE.jsonl.")
 @click.option("--plot", type=click.Path(path_type=str), metavar="FILE.png|svg|pdf",
@@ -295,7 +298,7 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
         seed, save_graph, checkpoint, checkpoint_every, resume, log_file, plot, denormal_report,
         output, in_place, quiet, distributed, bucket_mb, dist_timeout, dist_check_every,
         dist_overlap, list_params, ignore_index, lr_schedule, warmup, clip_grad_norm,
-        eval_data, eval_every):
+        eval_data, eval_every, allow_changed_graph):
     """Train MODEL (or a built-in --example) with the graphopt executor.
 
     \b
@@ -313,7 +316,8 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
         weight_decay=weight_decay, precision=precision, loss_scale=loss_scale, device=device,
         numerics=numerics, level=level, freeze=freeze, train=train_, disable=disable,
         seed=seed, save_graph=save_graph, checkpoint=checkpoint,
-        checkpoint_every=checkpoint_every, resume=resume, log=log_file, plot=plot,
+        checkpoint_every=checkpoint_every, resume=resume,
+        allow_changed_graph=allow_changed_graph, log=log_file, plot=plot,
         denormal_report=denormal_report, output=output, overwrite_input=in_place, quiet=quiet,
         distributed=distributed, bucket_mb=bucket_mb, dist_timeout=dist_timeout,
         dist_check_every=dist_check_every, dist_overlap=dist_overlap, ignore_index=ignore_index,

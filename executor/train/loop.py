@@ -49,6 +49,7 @@ class LoopSettings:
     warmup: int = 0
     clip_grad_norm: float | None = None   # max global L2 norm of the gradients
     eval_every: int | None = None         # steps; None: at the end of every epoch
+    allow_changed_graph: bool = False     # resume a checkpoint of another training graph
 
 
 @dataclass
@@ -228,6 +229,14 @@ class Trainer:
             if value.shape != self.params[name].shape:
                 raise GraphoptError(f"checkpoint weight {name!r} has shape {value.shape}, the "
                                     f"model's is {self.params[name].shape}")
+        if state.graph != self.graph.fingerprint and not self.settings.allow_changed_graph:
+            what = ("does not record which training graph it was written for (an older "
+                    "graphopt wrote it)" if state.graph is None else
+                    "was written for another training graph (the same weight names and "
+                    "shapes, but other nodes, constants, frozen weights or loss)")
+            raise GraphoptError(f"checkpoint in {directory} {what}; resume with the model and "
+                                "--loss it was trained with, or pass --allow-changed-graph to "
+                                "continue training these weights in this graph")
         if state.precision != self.settings.precision:
             raise GraphoptError(f"checkpoint was trained with --precision {state.precision}, "
                                 f"this run asks for {self.settings.precision}")
@@ -266,7 +275,8 @@ class Trainer:
                   "batch_size": self.batches.batch_size, "epoch": epoch,
                   "batch_in_epoch": index},
             history=self.history, precision=self.settings.precision,
-            settings=self.settings.run_settings)
+            settings=self.settings.run_settings,
+            graph=self.graph.fingerprint or None)
         self._last_checkpoint = ckpt.save(directory, state)
         self._checkpoint_step = self.step
         return self._last_checkpoint

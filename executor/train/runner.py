@@ -59,6 +59,7 @@ class RunOptions:
     checkpoint: str | None = None
     checkpoint_every: int | None = None
     resume: bool = False
+    allow_changed_graph: bool = False     # --resume a checkpoint of another training graph
     log: str | None = None
     plot: str | None = None
     denormal_report: str | None = None    # "-" prints only
@@ -147,6 +148,8 @@ def _check_outputs(opts: RunOptions, source) -> None:
         require_matplotlib()
     if opts.resume and not opts.checkpoint:
         raise GraphoptError("--resume needs --checkpoint DIR")
+    if opts.allow_changed_graph and not opts.resume:
+        raise GraphoptError("--allow-changed-graph applies only with --resume")
 
 
 def _total_steps(opts: RunOptions, defaults: dict, batches: Batches) -> int:
@@ -299,6 +302,7 @@ def _run(opts: RunOptions, echo, progress_stream, after_step,
     check_schedule(schedule, opts.warmup or 0, total)
     if opts.clip_grad_norm is not None and not opts.clip_grad_norm > 0:
         raise GraphoptError(f"--clip-grad-norm must be positive, not {opts.clip_grad_norm}")
+    settings.allow_changed_graph = opts.allow_changed_graph
     settings.lr_schedule, settings.warmup = schedule, opts.warmup or 0
     settings.clip_grad_norm, settings.eval_every = opts.clip_grad_norm, opts.eval_every
     settings.run_settings = _settings_record(opts, loss, labels, optimizer, precision,

@@ -336,3 +336,62 @@ def test_item16_a_copied_checkpoint_folder_still_resumes(tmp_path, good_checkpoi
     shutil.copytree(good_checkpoint, folder)
     outcome = run(mlp_options(mlp_data, steps=4, checkpoint=folder, resume=True))
     assert outcome.result.steps_done == 4
+
+
+# -- item 15: a checkpoint resumes only in the training graph that wrote it -----------------
+def _tiny_options(model: str, data: str, **overrides) -> RunOptions:
+    base = dict(model=model, data=data, loss="output", batch_size=4, lr=0.01, seed=1,
+                device="cpu", quiet=True, steps=2)
+    return RunOptions(**{**base, **overrides})
+
+
+def test_item15_a_checkpoint_of_another_graph_is_refused_unless_forced(tmp_path, tiny_data):
+    relu = tiny_model(str(tmp_path / "relu.onnx"), activation="Relu")
+    tanh = tiny_model(str(tmp_path / "tanh.onnx"), activation="Tanh")   # same W: name, shape
+    folder = str(tmp_path / "ckpt")
+    run(_tiny_options(relu, tiny_data, checkpoint=folder))
+    code, _, stderr = cli("run", tanh, "--data", tiny_data, "--loss", "output", "--steps", 4,
+                          "--batch-size", 4, "--lr", 0.01, "--seed", 1, "--device", "cpu",
+                          "--checkpoint", folder, "--resume", "-q")
+    assert_one_error_line(code, stderr, "was written for another training graph",
+                          "--allow-changed-graph")
+    assert ckpt.load(folder).step == 2   # left as it was
+    # fine-tuning on purpose: the weights continue in the changed graph
+    forced = run(_tiny_options(tanh, tiny_data, steps=4, checkpoint=folder, resume=True,
+                               allow_changed_graph=True))
+    assert forced.result.steps_done == 4 and len(forced.result.history) == 4
+    # and the checkpoint now belongs to the Tanh graph
+    again = run(_tiny_options(tanh, tiny_data, steps=5, checkpoint=folder, resume=True))
+    assert again.result.steps_done == 5
+
+
+def test_item15_the_same_graph_resumes_from_its_trained_model_and_at_another_level(
+        tmp_path, mlp_data):
+    folder = str(tmp_path / "ckpt")
+    trained = str(tmp_path / "trained.onnx")
+    run(mlp_options(mlp_data, checkpoint=folder, output=trained))
+    straight = run(mlp_options(mlp_data, steps=5))
+    # the model written by -o holds other weight values, the same graph: it resumes
+    resumed = run(mlp_options(mlp_data, model=trained, steps=5, checkpoint=folder,
+                              resume=True))
+    for name, value in straight.result.params.items():
+        np.testing.assert_array_equal(resumed.result.params[name], value)
+    # rewrites keep the meaning: another --level is the same training graph
+    run(mlp_options(mlp_data, steps=6, level=1, checkpoint=folder, resume=True))
+
+
+def test_item15_a_checkpoint_without_a_fingerprint_needs_the_flag(tmp_path, good_checkpoint,
+                                                                   mlp_data):
+    folder = edited_checkpoint(good_checkpoint, str(tmp_path / "old"), _drop("graph"))
+    with pytest.raises(GraphoptError, match="does not record which training graph"):
+        run(mlp_options(mlp_data, steps=4, checkpoint=folder, resume=True))
+    outcome = run(mlp_options(mlp_data, steps=4, checkpoint=folder, resume=True,
+                              allow_changed_graph=True))
+    assert outcome.result.steps_done == 4
+    assert ckpt.load(folder).graph is not None
+
+
+def test_item15_allow_changed_graph_needs_resume(mlp_data):
+    code, _, stderr = cli("run", MLP, "--data", mlp_data, "--steps", 1,
+                          "--allow-changed-graph", *TRAIN)
+    assert_one_error_line(code, stderr, "--allow-changed-graph applies only with --resume")
