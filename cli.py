@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import functools
+import signal
 import sys
+import threading
 
 import click
 
 from graphopt import api, modelio
 from graphopt.console import INTERRUPTED
-from graphopt.errors import GraphoptError
+from graphopt.errors import GraphoptError, Terminated
 from graphopt.registry import all_rules
 
 # The library's messages name its Python parameters; on the command line the same advice
@@ -41,13 +43,27 @@ def user_errors(command):
         except GraphoptError as exc:
             click.echo(f"graphopt: error: {cli_words(str(exc))}", err=True)
             sys.exit(1)
-        except KeyboardInterrupt:
-            click.echo(INTERRUPTED, err=True)
-            sys.exit(130)
+        except KeyboardInterrupt as exc:
+            _interrupted(exc)
         except MemoryError:
             click.echo("graphopt: error: out of memory", err=True)
             sys.exit(1)
     return wrapper
+
+
+def _interrupted(exc: BaseException) -> None:
+    """One line for Ctrl-C (exit 130) or SIGTERM (exit 143), saying what was kept: a run
+    stopped by a second Ctrl-C still has the checkpoints it wrote (``exc.kept``)."""
+    kept = getattr(exc, "kept", None)
+    if isinstance(exc, Terminated):
+        click.echo(f"graphopt: terminated; {kept or 'nothing was written'}", err=True)
+        sys.exit(143)
+    click.echo(f"graphopt: interrupted; {kept}" if kept else INTERRUPTED, err=True)
+    sys.exit(130)
+
+
+def _terminate(signum, frame):
+    raise Terminated
 
 
 USAGE_EXIT = 1   # the same as every other mistake: a bad option value and a bad rule name
@@ -82,6 +98,9 @@ class GraphoptGroup(click.Group):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, False, **extra)
+        # SIGTERM stops a command the way Ctrl-C does: clean-up runs, one line, exit 143
+        previous = (signal.signal(signal.SIGTERM, _terminate)
+                    if threading.current_thread() is threading.main_thread() else None)
         try:
             code = super().main(args, prog_name, complete_var, False, **extra)
         except click.UsageError as exc:
@@ -89,9 +108,14 @@ class GraphoptGroup(click.Group):
         except click.ClickException as exc:
             exc.show()
             sys.exit(exc.exit_code)
-        except (click.Abort, KeyboardInterrupt):
+        except KeyboardInterrupt as exc:
+            _interrupted(exc)
+        except click.Abort:
             click.echo(INTERRUPTED, err=True)
             sys.exit(130)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
         sys.exit(code if isinstance(code, int) else 0)
 
 
@@ -328,7 +352,7 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
         return
     outcome = run_training(options, echo=click.echo)
     if outcome.result.interrupted:
-        sys.exit(130)
+        sys.exit(128 + (outcome.result.stop_signal or signal.SIGINT))
 
 
 if __name__ == "__main__":

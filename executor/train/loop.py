@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from graphopt.errors import GraphoptError
+from graphopt.errors import GraphoptError, Terminated
 from graphopt.executor import ExecutorError
 
 from . import checkpoint as ckpt
@@ -61,32 +61,41 @@ class TrainResult:
     interrupted: bool = False
     checkpoint: str | None = None         # path of the last checkpoint written
     nonfinite: dict[str, int] = field(default_factory=dict)   # skipped steps per kind
+    stop_signal: int | None = None        # SIGINT or SIGTERM when interrupted
 
     @property
     def losses(self) -> list[float]:
         return [r["loss"] for r in self.history]
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 class StopFlag:
-    """Ctrl-C asks the loop to stop after the current step; a second Ctrl-C aborts."""
+    """Ctrl-C or SIGTERM asks the loop to stop after the current step (and checkpoint); a
+    second one of either aborts at once (KeyboardInterrupt, or Terminated for SIGTERM)."""
 
     def __init__(self):
         self.requested = False
-        self._previous = None
+        self.signum: int | None = None    # the signal that asked first
+        self._previous: dict[int, object] = {}
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            for signum in STOP_SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def _handle(self, signum, frame):
         if self.requested:
-            raise KeyboardInterrupt
+            raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
         self.requested = True
+        self.signum = signum
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
 
 
 class NonFiniteError(GraphoptError):
@@ -466,4 +475,12 @@ class Trainer:
             self.save_checkpoint(target)
         return TrainResult({n: to_host(v).astype(np.float32) for n, v in self.params.items()},
                            self.history, self.step, self.scaler.skipped, interrupted,
-                           self._last_checkpoint, dict(self.nonfinite))
+                           self._last_checkpoint, dict(self.nonfinite),
+                           stop.signum if interrupted else None)
+
+    def saved(self) -> tuple[str, int] | None:
+        """(path, step) of the last complete checkpoint there is for this run: written by
+        it, or the one it resumed from; None if there is none."""
+        if self._last_checkpoint is None or self._checkpoint_step is None:
+            return None
+        return self._last_checkpoint, self._checkpoint_step

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -343,22 +344,40 @@ def _run(opts: RunOptions, echo, progress_stream, after_step,
         f"{precision}; loss scale "
         f"{scaler.describe()}; device {session.device}")
     try:
-        result = trainer.run()
-    except ExecutorError as exc:
-        raise GraphoptError(f"training step {trainer.step + 1} failed: {one_line(exc)}") \
-            from None
-    finally:
-        if log is not None:
-            log.close()
-    outcome = RunOutcome(graph, result, session, forward)
-    numerics = getattr(session.numerics, "mode", "native")
-    outcome.plot_title = (f"graphopt run {opts.example or os.path.basename(opts.model or '')}\n"
-                          f"precision {precision}, numerics {numerics}, loss scale "
-                          f"{scaler.describe().split(' (')[0]}, {optimizer.name} lr "
-                          f"{optimizer.lr:g}")
-    if writer:
-        _finish(opts, outcome, say, echo)
+        try:
+            result = trainer.run()
+        except ExecutorError as exc:
+            raise GraphoptError(f"training step {trainer.step + 1} failed: {one_line(exc)}") \
+                from None
+        finally:
+            if log is not None:
+                log.close()
+        outcome = RunOutcome(graph, result, session, forward)
+        numerics = getattr(session.numerics, "mode", "native")
+        outcome.plot_title = (f"graphopt run {opts.example or os.path.basename(opts.model or '')}\n"
+                              f"precision {precision}, numerics {numerics}, loss scale "
+                              f"{scaler.describe().split(' (')[0]}, {optimizer.name} lr "
+                              f"{optimizer.lr:g}")
+        if writer:
+            _finish(opts, outcome, say, echo)
+    except KeyboardInterrupt as exc:
+        # a second Ctrl-C (or SIGTERM) ends the run at once: the CLI says what is kept
+        exc.kept = _kept(opts, trainer) if writer else None
+        raise
     return outcome
+
+
+def _kept(opts: RunOptions, trainer: Trainer) -> str | None:
+    """What an aborted run leaves that the user can use, in words (None: nothing)."""
+    parts = []
+    if opts.save_graph and os.path.exists(opts.save_graph):
+        parts.append(f"the training graph is in {opts.save_graph}")
+    saved = trainer.saved()
+    if saved is not None:
+        path, step = saved
+        parts.append(f"the checkpoint of step {step} is {path} (continue with --checkpoint "
+                     f"{os.path.dirname(path) or '.'} --resume)")
+    return "; ".join(parts) or None
 
 
 # Options a checkpoint keeps: a bare ``--resume`` continues the same run; one given again with
@@ -502,7 +521,8 @@ def _finish(opts: RunOptions, outcome: RunOutcome, say, echo) -> None:
             f"best {best['eval_loss']:.4f} (step {best['step']})")
     if result.interrupted:
         where = result.checkpoint or "(nothing saved)"
-        echo(f"interrupted after step {result.steps_done}; checkpoint {where}; continue with "
+        how = "terminated (SIGTERM)" if result.stop_signal == signal.SIGTERM else "interrupted"
+        echo(f"{how} after step {result.steps_done}; checkpoint {where}; continue with "
              f"--checkpoint {os.path.dirname(where) or '.'} --resume")
         return
     if result.checkpoint:

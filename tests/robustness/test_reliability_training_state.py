@@ -9,6 +9,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 import warnings
 
 import numpy as np
@@ -21,6 +25,8 @@ from graphopt.cli import main
 from graphopt.errors import GraphoptError
 from graphopt.executor.train import RunOptions, run
 from graphopt.executor.train import checkpoint as ckpt
+
+from .killpoints import CLI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MLP = os.path.join(HERE, os.pardir, "fixtures", "mlp.onnx")
@@ -395,3 +401,75 @@ def test_item15_allow_changed_graph_needs_resume(mlp_data):
     code, _, stderr = cli("run", MLP, "--data", mlp_data, "--steps", 1,
                           "--allow-changed-graph", *TRAIN)
     assert_one_error_line(code, stderr, "--allow-changed-graph applies only with --resume")
+
+
+# -- items 17 and 18: a second Ctrl-C, SIGTERM ------------------------------------------------
+def test_item17_a_second_ctrl_c_names_the_checkpoint_this_run_wrote(tmp_path, mlp_data,
+                                                                     monkeypatch):
+    from graphopt.executor.train import loop
+
+    real_step = loop.Trainer.train_step
+
+    def two_ctrl_c_at_step_7(self):   # the second arrives while step 7 is still running
+        record = real_step(self)
+        if self.step == 7:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        return record
+
+    monkeypatch.setattr(loop.Trainer, "train_step", two_ctrl_c_at_step_7)
+    folder = tmp_path / "ckpt"
+    code, stdout, stderr = cli("run", MLP, "--data", mlp_data, "--steps", 20, "--checkpoint",
+                               folder, "--checkpoint-every", 5, *TRAIN)
+    assert code == 130 and stdout == "", (code, stdout, stderr)
+    where = ckpt.path_in(str(folder))
+    assert stderr.strip() == (f"graphopt: interrupted; the checkpoint of step 5 is {where} "
+                              f"(continue with --checkpoint {folder} --resume)")
+    assert ckpt.load(str(folder)).step == 5
+
+
+@pytest.mark.skipif(os.name != "posix", reason="needs POSIX signals")
+def test_item18_sigterm_checkpoints_and_exits_143(tmp_path, mlp_data):
+    folder, log = tmp_path / "ckpt", tmp_path / "log.csv"
+    args = [*CLI, "run", MLP, "--data", mlp_data, "--steps", "100000", "--checkpoint",
+            str(folder), "--checkpoint-every", "50", "--log", str(log), "--seed", "5",
+            *TRAIN]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline and \
+            (not log.exists() or log.read_text().count("\n") < 8):
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)   # between checkpoints: step 8 or a little later
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, (proc.returncode, stderr[-500:])
+    assert stderr == ""
+    lines = stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("terminated (SIGTERM) after step "), stdout
+    step = int(lines[0].split("after step ")[1].split(";")[0])
+    where = ckpt.path_in(str(folder))
+    assert lines[0] == (f"terminated (SIGTERM) after step {step}; checkpoint {where}; continue "
+                        f"with --checkpoint {folder} --resume")
+    assert 8 <= step < 50 and ckpt.load(str(folder)).step == step
+    assert sorted(os.listdir(folder)) == [ckpt.FILENAME]
+    # the final checkpoint is the uninterrupted run's state at that step
+    straight = run(mlp_options(mlp_data, steps=step, lr=1e-3))   # the CLI default
+    state = ckpt.load(str(folder))
+    for name, value in straight.result.params.items():
+        np.testing.assert_array_equal(state.params[name], value)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="needs POSIX signals")
+def test_item18_sigterm_outside_training_is_one_line_and_exit_143(tmp_path):
+    model = tiny_model(str(tmp_path / "m.onnx"))
+    script = ("import os, signal\n"
+              "from graphopt import api\n"
+              "def optimize_file(*args, **kwargs):\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    raise AssertionError('SIGTERM was ignored')\n"
+              "api.optimize_file = optimize_file\n"
+              "from graphopt.cli import main\n"
+              f"main(['optimize', {model!r}, '-o', {str(tmp_path / 'o.onnx')!r}])\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 143, (done.returncode, done.stderr[-500:])
+    assert done.stderr == "graphopt: terminated; nothing was written\n"
