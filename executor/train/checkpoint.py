@@ -25,6 +25,7 @@ import math
 import os
 import socket
 import tempfile
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -143,6 +144,122 @@ def read_settings(directory: str) -> dict:
     except Exception:  # noqa: BLE001 (missing or damaged: load() reports it in one line)
         return {}
     return dict(settings) if isinstance(settings, dict) else {}
+
+
+# -- one run per checkpoint folder ------------------------------------------------------------
+#
+# Two runs saving into one folder would overwrite each other's checkpoints, the last writer
+# winning in silence. A run that checkpoints holds an advisory lock on LOCK_NAME in the folder
+# from start to end: flock(2) on the open file (the kernel drops it when the process dies,
+# however it dies, so a lock left by a killed run is free again), and the file names the
+# owner (pid, host, start time) for the refusal message. Where the file system has no flock
+# (some network mounts), the pid and host in the file decide: a lock of a process that is
+# gone from this host is taken over; one from another host is respected.
+
+LOCK_NAME = ".graphopt-run.lock"
+
+
+class FolderLock:
+    def __init__(self, directory: str, path: str, fd: int, created_folder: bool):
+        self.directory, self.path, self.fd = directory, path, fd
+        self.created_folder = created_folder
+
+    @classmethod
+    def acquire(cls, directory: str) -> FolderLock:
+        created = not os.path.isdir(directory)
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as exc:
+            raise GraphoptError(f"--checkpoint {directory}: cannot create the folder: "
+                                f"{exc.strerror or exc}") from None
+        path = os.path.join(directory, LOCK_NAME)
+        for _ in range(100):   # another run may unlink the file between our open and lock
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+                             | getattr(os, "O_CLOEXEC", 0), 0o666)
+            except OSError as exc:
+                raise GraphoptError(f"--checkpoint {directory}: cannot create the lock file "
+                                    f"{LOCK_NAME}: {exc.strerror or exc}") from None
+            try:
+                locked = _flock(fd)
+                owner = _read_owner(fd)
+                if locked is False or (locked is None and _owner_alive(owner)):
+                    raise GraphoptError(f"--checkpoint {directory} is in use by another "
+                                        f"graphopt run ({_describe_owner(owner)}); wait for it "
+                                        "to end or use another folder")
+                if os.fstat(fd).st_ino != os.stat(path, follow_symlinks=False).st_ino:
+                    os.close(fd)   # the owner removed it as we opened it: lock the new one
+                    continue
+                _write_owner(fd)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                raise
+            return cls(directory, path, fd, created)
+        raise GraphoptError(f"--checkpoint {directory}: the lock file {LOCK_NAME} keeps "
+                            "changing; is another run starting and stopping there?")
+
+    def release(self) -> None:
+        """Remove the lock file (still ours: we hold its lock) and the folder if this run
+        created it and left nothing in it."""
+        with contextlib.suppress(OSError):
+            if os.fstat(self.fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino:
+                os.unlink(self.path)
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        if self.created_folder:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.directory)   # only if empty
+
+
+def _flock(fd: int) -> bool | None:
+    """True: locked; False: another process holds it; None: no flock here."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
+            return False
+        return None   # ENOLCK, EOPNOTSUPP, EINVAL: a file system without flock
+    return True
+
+
+def _read_owner(fd: int) -> dict:
+    try:
+        data = os.pread(fd, 4096, 0)
+        owner = json.loads(data.decode("utf-8")) if data else {}
+    except (OSError, ValueError):
+        return {}
+    return owner if isinstance(owner, dict) else {}
+
+
+def _write_owner(fd: int) -> None:
+    owner = {"pid": os.getpid(), "host": socket.gethostname(),
+             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    data = json.dumps(owner).encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
+
+
+def _owner_alive(owner: dict) -> bool:
+    pid, host = owner.get("pid"), owner.get("host")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False   # nobody (an empty or damaged file): free
+    if host != socket.gethostname():
+        return True    # cannot tell from here: respect it
+    return pid != os.getpid() and _alive(pid)
+
+
+def _describe_owner(owner: dict) -> str:
+    if not owner.get("pid"):
+        return "owner unknown"
+    since = f", since {owner['started']}" if owner.get("started") else ""
+    return f"pid {owner['pid']} on {owner.get('host', '?')}{since}"
 
 
 def _remove_stale_temporaries(directory: str) -> None:

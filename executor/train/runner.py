@@ -244,6 +244,18 @@ def _silent(_text: str) -> None:
 
 def _run(opts: RunOptions, echo, progress_stream, after_step,
          dist: distributed.Distributed | None) -> RunOutcome:
+    """The run, holding the checkpoint folder's lock (one run per folder, see checkpoint)."""
+    writer = dist is None or dist.writer
+    lock = ckpt.FolderLock.acquire(opts.checkpoint) if opts.checkpoint and writer else None
+    try:
+        return _run_locked(opts, echo, progress_stream, after_step, dist)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
+                dist: distributed.Distributed | None) -> RunOutcome:
     writer = dist is None or dist.writer
     say = (lambda _text: None) if opts.quiet else echo
     forward, arrays, defaults, source = _resolve_source(opts)

@@ -243,7 +243,8 @@ def digest(path: str) -> str:
 # interruption:
 #
 # - the folder holds checkpoint.npz (or nothing yet) and, after SIGKILL only, hidden
-#   ``.checkpoint-*.npz.tmp`` files: never a partial checkpoint under the real name;
+#   ``.checkpoint-*.npz.tmp`` files and the killed run's folder lock (which the next run
+#   takes over): never a partial checkpoint under the real name;
 # - checkpoint.npz loads, and holds exactly the state (weights, optimizer, loss scaler,
 #   history) of the uninterrupted run at its step, which never goes backwards;
 # and at the end of a chain of interruptions, a resumed run finishes with weights bit-for-bit
@@ -476,6 +477,9 @@ class RunKillRig:
                 result.in_write = result.in_write or f"-{pid}-" in entry
                 if result.signal == "SIGINT" and f"-{pid}-" in entry:
                     result.problems.append(f"temporary file left after SIGINT: {entry}")
+            elif entry == ckpt.LOCK_NAME:   # the folder lock: free once its run is gone
+                if result.signal == "SIGINT":
+                    result.problems.append("the folder lock was left after SIGINT")
             else:
                 result.problems.append(f"unexpected file in the checkpoint folder: {entry}")
         if ckpt.FILENAME not in listing:

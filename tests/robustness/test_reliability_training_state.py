@@ -473,3 +473,87 @@ def test_item18_sigterm_outside_training_is_one_line_and_exit_143(tmp_path):
                           timeout=120)
     assert done.returncode == 143, (done.returncode, done.stderr[-500:])
     assert done.stderr == "graphopt: terminated; nothing was written\n"
+
+
+# -- item 19: one run per checkpoint folder -------------------------------------------------
+def _start_long_run(folder, log, mlp_data) -> subprocess.Popen:
+    args = [*CLI, "run", MLP, "--data", mlp_data, "--steps", "100000", "--checkpoint",
+            str(folder), "--checkpoint-every", "4", "--log", str(log), "--seed", "5", *TRAIN]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline and \
+            (not log.exists() or log.read_text().count("\n") < 6):
+        time.sleep(0.005)
+    assert proc.poll() is None, proc.communicate()
+    return proc
+
+
+@pytest.mark.skipif(os.name != "posix", reason="needs POSIX signals")
+def test_item19_a_second_run_on_the_same_checkpoint_folder_is_refused(tmp_path, mlp_data):
+    folder = tmp_path / "ckpt"
+    first = _start_long_run(folder, tmp_path / "log.csv", mlp_data)
+    try:
+        for resume in ([], ["--resume"]):
+            code, _, stderr = cli("run", MLP, "--data", mlp_data, "--steps", 3, "--checkpoint",
+                                  folder, *resume, *TRAIN)
+            assert_one_error_line(code, stderr, f"--checkpoint {folder} is in use by another "
+                                  f"graphopt run (pid {first.pid} on ")
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=120)
+    assert first.returncode == 143
+    step = ckpt.load(str(folder)).step
+    # the first run's checkpoint is its own, and the folder is free once it is gone
+    assert sorted(os.listdir(folder)) == [ckpt.FILENAME]
+    outcome = run(mlp_options(mlp_data, lr=1e-3, steps=step + 2, checkpoint=str(folder),
+                              resume=True))
+    assert outcome.result.steps_done == step + 2
+    assert sorted(os.listdir(folder)) == [ckpt.FILENAME]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="needs POSIX signals")
+def test_item19_the_lock_of_a_killed_run_is_taken_over(tmp_path, mlp_data):
+    folder = tmp_path / "ckpt"
+    first = _start_long_run(folder, tmp_path / "log.csv", mlp_data)
+    first.kill()
+    first.communicate(timeout=120)
+    assert ckpt.LOCK_NAME in os.listdir(folder)   # SIGKILL: nothing could remove it
+    step = ckpt.load(str(folder)).step
+    outcome = run(mlp_options(mlp_data, lr=1e-3, steps=step + 2, checkpoint=str(folder),
+                              resume=True))
+    assert outcome.result.steps_done == step + 2
+    assert ckpt.LOCK_NAME not in os.listdir(folder)
+
+
+def test_item19_without_flock_the_owner_pid_and_host_decide(tmp_path, monkeypatch):
+    """Some network file systems have no flock: the lock file's owner decides there."""
+    monkeypatch.setattr(ckpt, "_flock", lambda fd: None)
+    folder = str(tmp_path / "ckpt")
+    os.makedirs(folder)
+    lock_file = os.path.join(folder, ckpt.LOCK_NAME)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    here = ckpt.socket.gethostname()
+    for owner, refused in [({"pid": dead.pid, "host": here}, False),     # stale: taken over
+                           ({"pid": os.getppid(), "host": here}, True),   # alive here
+                           ({"pid": 12345, "host": here + "-other"}, True),
+                           ({}, False)]:
+        with open(lock_file, "w") as f:
+            json.dump(owner, f)
+        if refused:
+            with pytest.raises(GraphoptError, match="is in use by another graphopt run"):
+                ckpt.FolderLock.acquire(folder)
+            continue
+        lock = ckpt.FolderLock.acquire(folder)
+        with open(lock_file) as f:
+            assert json.load(f)["pid"] == os.getpid()
+        lock.release()
+        assert not os.path.exists(lock_file)
+
+
+def test_item19_a_failed_run_leaves_no_lock_and_no_new_folder(tmp_path, mlp_data):
+    folder = tmp_path / "new"
+    code, _, stderr = cli("run", MLP, "--data", mlp_data, "--steps", 1, "--lr", "-1",
+                          "--checkpoint", folder, *TRAIN)
+    assert_one_error_line(code, stderr, "--lr")
+    assert not folder.exists()
