@@ -94,7 +94,8 @@ class StopFlag:
 
     def __exit__(self, *exc):
         for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
+            if previous is not None:   # None: set outside Python, cannot be put back
+                signal.signal(signum, previous)
         self._previous = {}
 
 
@@ -238,7 +239,8 @@ class Trainer:
             if value.shape != self.params[name].shape:
                 raise GraphoptError(f"checkpoint weight {name!r} has shape {value.shape}, the "
                                     f"model's is {self.params[name].shape}")
-        if state.graph != self.graph.fingerprint and not self.settings.allow_changed_graph:
+        if state.graph != (self.graph.fingerprint or None) \
+                and not self.settings.allow_changed_graph:
             what = ("does not record which training graph it was written for (an older "
                     "graphopt wrote it)" if state.graph is None else
                     "was written for another training graph (the same weight names and "
