@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import functools
+import signal
 import sys
+import threading
 
 import click
 
 from graphopt import api, modelio
 from graphopt.console import INTERRUPTED
-from graphopt.errors import GraphoptError
+from graphopt.errors import GraphoptError, Terminated
 from graphopt.registry import all_rules
 
 # The library's messages name its Python parameters; on the command line the same advice
@@ -41,13 +43,27 @@ def user_errors(command):
         except GraphoptError as exc:
             click.echo(f"graphopt: error: {cli_words(str(exc))}", err=True)
             sys.exit(1)
-        except KeyboardInterrupt:
-            click.echo(INTERRUPTED, err=True)
-            sys.exit(130)
+        except KeyboardInterrupt as exc:
+            _interrupted(exc)
         except MemoryError:
             click.echo("graphopt: error: out of memory", err=True)
             sys.exit(1)
     return wrapper
+
+
+def _interrupted(exc: BaseException) -> None:
+    """One line for Ctrl-C (exit 130) or SIGTERM (exit 143), saying what was kept: a run
+    stopped by a second Ctrl-C still has the checkpoints it wrote (``exc.kept``)."""
+    kept = getattr(exc, "kept", None)
+    if isinstance(exc, Terminated):
+        click.echo(f"graphopt: terminated; {kept or 'nothing was written'}", err=True)
+        sys.exit(143)
+    click.echo(f"graphopt: interrupted; {kept}" if kept else INTERRUPTED, err=True)
+    sys.exit(130)
+
+
+def _terminate(signum, frame):
+    raise Terminated
 
 
 USAGE_EXIT = 1   # the same as every other mistake: a bad option value and a bad rule name
@@ -82,6 +98,9 @@ class GraphoptGroup(click.Group):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, False, **extra)
+        # SIGTERM stops a command the way Ctrl-C does: clean-up runs, one line, exit 143
+        previous = (signal.signal(signal.SIGTERM, _terminate)
+                    if threading.current_thread() is threading.main_thread() else None)
         try:
             code = super().main(args, prog_name, complete_var, False, **extra)
         except click.UsageError as exc:
@@ -89,9 +108,14 @@ class GraphoptGroup(click.Group):
         except click.ClickException as exc:
             exc.show()
             sys.exit(exc.exit_code)
-        except (click.Abort, KeyboardInterrupt):
+        except KeyboardInterrupt as exc:
+            _interrupted(exc)
+        except click.Abort:
             click.echo(INTERRUPTED, err=True)
             sys.exit(130)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
         sys.exit(code if isinstance(code, int) else 0)
 
 
@@ -254,7 +278,8 @@ def list_rules():
 @click.option("--list-params", is_flag=True,
               help="Print what would be trained (and what not, and why), then exit.")
 @click.option("--disable", multiple=True, metavar="RULE", help="Do not run this rule.")
-@click.option("--seed", type=int, help="Data order and dropout seed (default 0).")
+@click.option("--seed", type=click.IntRange(0, 2**32 - 1),
+              help="Data order and dropout seed (default 0).")
 @click.option("--save-graph", type=click.Path(path_type=str), metavar="FILE.onnx",
               help="Write the rewritten training graph.")
 @click.option("--checkpoint", type=click.Path(file_okay=False, path_type=str), metavar="DIR",
@@ -264,6 +289,9 @@ def list_rules():
 @click.option("--resume", is_flag=True,
               help="Continue the run saved in --checkpoint DIR, with its settings (give "
                    "--steps/--epochs to train longer).")
+@click.option("--allow-changed-graph", is_flag=True,
+              help="Resume a checkpoint written for another training graph (e.g. to fine-tune "
+                   "a changed head); the weights must still match by name and shape.")
 @click.option("--log", "log_file", type=click.Path(path_type=str), metavar="FILE",
               help="Per-step log, FILE.csv or FILE.jsonl.")
 @click.option("--plot", type=click.Path(path_type=str), metavar="FILE.png|svg|pdf",
@@ -294,7 +322,7 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
         seed, save_graph, checkpoint, checkpoint_every, resume, log_file, plot, denormal_report,
         output, in_place, quiet, distributed, bucket_mb, dist_timeout, dist_check_every,
         dist_overlap, list_params, ignore_index, lr_schedule, warmup, clip_grad_norm,
-        eval_data, eval_every):
+        eval_data, eval_every, allow_changed_graph):
     """Train MODEL (or a built-in --example) with the graphopt executor.
 
     \b
@@ -312,7 +340,8 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
         weight_decay=weight_decay, precision=precision, loss_scale=loss_scale, device=device,
         numerics=numerics, level=level, freeze=freeze, train=train_, disable=disable,
         seed=seed, save_graph=save_graph, checkpoint=checkpoint,
-        checkpoint_every=checkpoint_every, resume=resume, log=log_file, plot=plot,
+        checkpoint_every=checkpoint_every, resume=resume,
+        allow_changed_graph=allow_changed_graph, log=log_file, plot=plot,
         denormal_report=denormal_report, output=output, overwrite_input=in_place, quiet=quiet,
         distributed=distributed, bucket_mb=bucket_mb, dist_timeout=dist_timeout,
         dist_check_every=dist_check_every, dist_overlap=dist_overlap, ignore_index=ignore_index,
@@ -323,7 +352,7 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
         return
     outcome = run_training(options, echo=click.echo)
     if outcome.result.interrupted:
-        sys.exit(130)
+        sys.exit(128 + (outcome.result.stop_signal or signal.SIGINT))
 
 
 if __name__ == "__main__":

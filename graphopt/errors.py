@@ -7,3 +7,8 @@ class GraphoptError(Exception):
 
 class RewriteRejected(Exception):
     """A rewrite would break the graph; the engine rolls it back and reports the reason."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what schedulers, ``timeout`` and ``kill`` send): the command stops like on
+    Ctrl-C, clean-up included, and exits with status 143 (128 + SIGTERM)."""

@@ -8,7 +8,9 @@ of their own) and the model path to give the CLI is ``OUTDIR/<case>/model.onnx``
 outside every case folder, ``OUTDIR/outside/secret.bin``, is the sentinel that cases with
 external data escaping their folder point at: a tool that reads it has read outside the
 model's folder. ``OUTDIR/manifest.json`` lists the cases: name, model path (relative to
-OUTDIR), what is wrong, and ``escapes`` (true when the case points outside its folder).
+OUTDIR), what is wrong, ``escapes`` (true when the case points outside its folder) and
+``commands`` (those that must refuse it: a valid model that only ``run`` cannot train lists
+``["run"]``).
 
 A case may also say where the output goes: ``output`` (a path inside its folder, e.g. the
 model's own external data file) instead of a fresh file elsewhere, and ``args`` (per command,
@@ -114,7 +116,8 @@ class Corpus:
 
     def add(self, name: str, what: str, data: bytes | onnx.ModelProto | None = None,
             escapes: bool = False, extra: dict[str, bytes] | None = None,
-            output: str | None = None, args: dict[str, list[str]] | None = None) -> str:
+            output: str | None = None, args: dict[str, list[str]] | None = None,
+            commands: list[str] | None = None) -> str:
         folder = self.folder(name)
         model_path = os.path.join(folder, "model.onnx")
         if isinstance(data, onnx.ModelProto):
@@ -126,7 +129,7 @@ class Corpus:
             with open(os.path.join(folder, rel), "wb") as f:
                 f.write(content)
         case = {"name": name, "model": os.path.relpath(model_path, self.root), "what": what,
-                "escapes": escapes}
+                "escapes": escapes, "commands": commands or ["optimize", "run"]}
         if output is not None:
             case["output"] = output
         if args:
@@ -327,8 +330,74 @@ def make(root: str, truncations: int = 24) -> Corpus:
     path = corpus.add("dangling_symlink", "model.onnx -> a file that does not exist")
     os.symlink("nowhere.onnx", path)
     corpus.add("missing_file", "model.onnx does not exist")
+    _training_state_cases(corpus)
     corpus.write_manifest()
     return corpus
+
+
+def _function_constant_model(location: str) -> onnx.ModelProto:
+    """W trained through a local function whose Constant keeps its value in external data."""
+    value = TensorProto(name="c", data_type=TensorProto.FLOAT, dims=[4, 4],
+                        data_location=TensorProto.EXTERNAL)
+    for key, text in (("location", location), ("offset", "0"), ("length", "64")):
+        entry = value.external_data.add()
+        entry.key, entry.value = key, text
+    scale = helper.make_function("local", "Scale", ["a"], ["b"],
+                                 [helper.make_node("Constant", [], ["C"], value=value),
+                                  helper.make_node("Mul", ["a", "C"], ["b"])],
+                                 [helper.make_opsetid("", 17)])
+    model = _small_model([helper.make_node("MatMul", ["x", "W"], ["h"]),
+                          helper.make_node("Scale", ["h"], ["y"], domain="local")],
+                         extra_opsets=[helper.make_opsetid("local", 1)])
+    model.functions.append(scale)
+    return model
+
+
+def _run_input(dims=("N", 2, 4)):
+    """An input the hostile run's data (x: 4 x [2, 4]) fits, so run gets past the data."""
+    return [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(dims))]
+
+
+def _training_state_cases(corpus: Corpus) -> None:
+    """Issue 12, item 14: inputs that made graphopt print a traceback or two lines. Cases
+    marked ``commands: ["run"]`` are valid models that only ``graphopt run`` must refuse
+    (optimize rewrites them as it should)."""
+    corpus.add("external_location_nul_byte", "external data location 'w\\0.bin' (a NUL byte)",
+               _external("w\0.bin"), extra={"w.bin": b"\0" * 64})
+    nul = _external("w.bin")
+    nul.graph.initializer[0].external_data[0].value = "sub\0/../w.bin"
+    corpus.add("external_location_nul_byte_in_folder", "external data location with a NUL "
+               "byte in a folder name", nul, extra={"w.bin": b"\0" * 64})
+    path = corpus.add("external_function_constant_symlink", "a local function's Constant keeps "
+                      "its value in external data at w.bin, a symlink in the folder",
+                      _function_constant_model("w.bin"),
+                      extra={"real.bin": np.ones(16, np.float32).tobytes()})
+    os.symlink("real.bin", os.path.join(os.path.dirname(path), "w.bin"))
+    corpus.add("external_function_constant_nul_byte", "a local function's Constant with "
+               "external data at 'c\\0.bin'", _function_constant_model("c\0.bin"))
+    # valid models `run` cannot train: one line each, never a traceback or two lines
+    scalar = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])]
+    cumsum = _small_model([helper.make_node("MatMul", ["x", "W"], ["h"]),
+                           helper.make_node("CumSum", ["x", "axis"], ["c"],
+                                            name="running_total"),
+                           helper.make_node("Mul", ["h", "c"], ["p"]),
+                           helper.make_node("ReduceSum", ["p"], ["y"], keepdims=0)],
+                          inits=[numpy_helper.from_array(np.ones((4, 4), np.float32), "W"),
+                                 numpy_helper.from_array(np.array(1, np.int64), "axis")],
+                          inputs=_run_input(), outputs=scalar)
+    corpus.add("run_unsupported_op", "CumSum on the data path: no executor kernel", cumsum,
+               commands=["run"])
+    integer = _small_model([helper.make_node("MatMul", ["x", "W"], ["h"]),
+                            helper.make_node("ReduceSum", ["h"], ["s"], keepdims=0),
+                            helper.make_node("Cast", ["s"], ["y"], to=TensorProto.INT64)],
+                           inputs=_run_input(),
+                           outputs=[helper.make_tensor_value_info("y", TensorProto.INT64, [])])
+    corpus.add("run_integer_loss_output", "the only output (the loss) is an int64",
+               integer, commands=["run"])
+    nothing = _small_model([helper.make_node("Relu", ["x"], ["r"]),
+                            helper.make_node("ReduceSum", ["r"], ["y"], keepdims=0)],
+                           inputs=_run_input(), outputs=scalar)
+    corpus.add("run_nothing_to_train", "no initializer at all", nothing, commands=["run"])
 
 
 def main(argv: list[str]) -> int:

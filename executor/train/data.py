@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import zipfile
+import zlib
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -23,8 +24,10 @@ def load_npz(path: str) -> dict[str, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as archive:
             return {name: archive[name] for name in archive.files}
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:
-        raise GraphoptError(f"--data {path}: not a readable .npz file ({exc})") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        # zlib.error: a damaged member of a compressed (np.savez_compressed) archive
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise GraphoptError(f"--data {path}: not a readable .npz file ({reason})") from None
 
 
 class Batches:

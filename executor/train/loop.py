@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from graphopt.errors import GraphoptError
+from graphopt.errors import GraphoptError, Terminated
 from graphopt.executor import ExecutorError
 
 from . import checkpoint as ckpt
@@ -49,6 +49,7 @@ class LoopSettings:
     warmup: int = 0
     clip_grad_norm: float | None = None   # max global L2 norm of the gradients
     eval_every: int | None = None         # steps; None: at the end of every epoch
+    allow_changed_graph: bool = False     # resume a checkpoint of another training graph
 
 
 @dataclass
@@ -60,32 +61,42 @@ class TrainResult:
     interrupted: bool = False
     checkpoint: str | None = None         # path of the last checkpoint written
     nonfinite: dict[str, int] = field(default_factory=dict)   # skipped steps per kind
+    stop_signal: int | None = None        # SIGINT or SIGTERM when interrupted
 
     @property
     def losses(self) -> list[float]:
         return [r["loss"] for r in self.history]
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 class StopFlag:
-    """Ctrl-C asks the loop to stop after the current step; a second Ctrl-C aborts."""
+    """Ctrl-C or SIGTERM asks the loop to stop after the current step (and checkpoint); a
+    second one of either aborts at once (KeyboardInterrupt, or Terminated for SIGTERM)."""
 
     def __init__(self):
         self.requested = False
-        self._previous = None
+        self.signum: int | None = None    # the signal that asked first
+        self._previous: dict[int, object] = {}
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            for signum in STOP_SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def _handle(self, signum, frame):
         if self.requested:
-            raise KeyboardInterrupt
+            raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
         self.requested = True
+        self.signum = signum
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for signum, previous in self._previous.items():
+            if previous is not None:   # None: set outside Python, cannot be put back
+                signal.signal(signum, previous)
+        self._previous = {}
 
 
 class NonFiniteError(GraphoptError):
@@ -228,6 +239,15 @@ class Trainer:
             if value.shape != self.params[name].shape:
                 raise GraphoptError(f"checkpoint weight {name!r} has shape {value.shape}, the "
                                     f"model's is {self.params[name].shape}")
+        if state.graph != (self.graph.fingerprint or None) \
+                and not self.settings.allow_changed_graph:
+            what = ("does not record which training graph it was written for (an older "
+                    "graphopt wrote it)" if state.graph is None else
+                    "was written for another training graph (the same weight names and "
+                    "shapes, but other nodes, constants, frozen weights or loss)")
+            raise GraphoptError(f"checkpoint in {directory} {what}; resume with the model and "
+                                "--loss it was trained with, or pass --allow-changed-graph to "
+                                "continue training these weights in this graph")
         if state.precision != self.settings.precision:
             raise GraphoptError(f"checkpoint was trained with --precision {state.precision}, "
                                 f"this run asks for {self.settings.precision}")
@@ -238,6 +258,8 @@ class Trainer:
             if data.get(key) != value:
                 raise GraphoptError(f"checkpoint data {key} is {data.get(key)}, this run has "
                                     f"{value}; resume with the same data, --seed and --batch-size")
+        self.optimizer.check_arrays(state.optimizer_arrays, state.optimizer.get("steps", 0),
+                                    state.params)
         self.optimizer.load_state(state.optimizer, state.optimizer_arrays)
         self.scaler.load_state(state.scaler)
         self.params = self._placed({n: v.astype(master_dtype(self.settings.precision))
@@ -264,7 +286,8 @@ class Trainer:
                   "batch_size": self.batches.batch_size, "epoch": epoch,
                   "batch_in_epoch": index},
             history=self.history, precision=self.settings.precision,
-            settings=self.settings.run_settings)
+            settings=self.settings.run_settings,
+            graph=self.graph.fingerprint or None)
         self._last_checkpoint = ckpt.save(directory, state)
         self._checkpoint_step = self.step
         return self._last_checkpoint
@@ -454,4 +477,12 @@ class Trainer:
             self.save_checkpoint(target)
         return TrainResult({n: to_host(v).astype(np.float32) for n, v in self.params.items()},
                            self.history, self.step, self.scaler.skipped, interrupted,
-                           self._last_checkpoint, dict(self.nonfinite))
+                           self._last_checkpoint, dict(self.nonfinite),
+                           stop.signum if interrupted else None)
+
+    def saved(self) -> tuple[str, int] | None:
+        """(path, step) of the last complete checkpoint there is for this run: written by
+        it, or the one it resumed from; None if there is none."""
+        if self._last_checkpoint is None or self._checkpoint_step is None:
+            return None
+        return self._last_checkpoint, self._checkpoint_step

@@ -9,11 +9,16 @@ steps, halve on an overflow and skip that step).
 """
 from __future__ import annotations
 
+import numpy as np
+
 from graphopt.errors import GraphoptError
 
 DEFAULT_INIT = 2.0 ** 16
 DEFAULT_INTERVAL = 2000
 MIN_SCALE = 1.0  # below 1 scaling would only push gradients further into the subnormals
+# the scale is fed to the graph as a float32 (or float16) tensor: beyond float32's range it
+# is inf there, every gradient is inf or NaN, and a dynamic scale halved from inf stays inf
+MAX_SCALE = float(np.finfo(np.float32).max)
 
 
 class LossScaler:
@@ -90,17 +95,17 @@ def parse_loss_scale(spec: str | None, precision: str) -> LossScaler:
             return LossScaler(1.0)
         if text.startswith("static:"):
             value = float(text.split(":", 1)[1])
-            if not value > 0:
+            if not 0 < value <= MAX_SCALE:
                 raise ValueError
             return LossScaler(value)
         if text == "dynamic" or text.startswith("dynamic:"):
             parts = text.split(":")[1:]
             init = float(parts[0]) if parts else DEFAULT_INIT
             interval = int(parts[1]) if len(parts) > 1 else DEFAULT_INTERVAL
-            if not init > 0 or interval < 1 or len(parts) > 2:
+            if not 0 < init <= MAX_SCALE or interval < 1 or len(parts) > 2:
                 raise ValueError
             return DynamicLossScaler(init, interval)
     except ValueError:
         pass
-    raise GraphoptError(f"bad --loss-scale {spec!r}; use none, static:N (N > 0), dynamic or "
-                        "dynamic:INIT[:INTERVAL]")
+    raise GraphoptError(f"bad --loss-scale {spec!r}; use none, static:N, dynamic or "
+                        f"dynamic:INIT[:INTERVAL] (0 < N, INIT <= {MAX_SCALE:.4g}; INTERVAL >= 1)")

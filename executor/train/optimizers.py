@@ -13,6 +13,8 @@ step gives the host's bits.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from graphopt.errors import GraphoptError
@@ -22,12 +24,14 @@ OPTIMIZERS = ("sgd", "momentum", "adamw")
 
 class Optimizer:
     name = ""
+    slot_names: tuple[str, ...] = ()   # the arrays it keeps per weight (after its first step)
 
     def __init__(self, lr: float, weight_decay: float = 0.0):
-        if not lr > 0:
-            raise GraphoptError(f"--lr must be positive, not {lr}")
-        if weight_decay < 0:
-            raise GraphoptError(f"--weight-decay must be >= 0, not {weight_decay}")
+        # an infinite rate or decay would only turn every weight into NaN at the first step
+        if not (lr > 0 and math.isfinite(lr)):
+            raise GraphoptError(f"--lr must be a finite number > 0, not {lr}")
+        if not (weight_decay >= 0 and math.isfinite(weight_decay)):
+            raise GraphoptError(f"--weight-decay must be a finite number >= 0, not {weight_decay}")
         self.lr = float(lr)
         self.weight_decay = float(weight_decay)
         self.steps = 0  # updates applied (skipped loss-scale steps do not count)
@@ -40,12 +44,15 @@ class Optimizer:
         base = self.lr
         self.lr = base * lr_factor
         try:
-            for name, param in params.items():
-                # the arithmetic runs in float32 whatever the master dtype ("fp16" precision
-                # keeps float16 masters: the rounding of the result is part of that experiment)
-                value = param.astype(np.float32)
-                self._update(name, value, grads[name].astype(np.float32, copy=False))
-                param[...] = value
+            # a huge (finite) --lr overflows here: the next step reports the non-finite weight
+            # in one line, so numpy's own warnings would only be noise before it
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                for name, param in params.items():
+                    # the arithmetic runs in float32 whatever the master dtype ("fp16"
+                    # precision keeps float16 masters: the rounding is part of that experiment)
+                    value = param.astype(np.float32)
+                    self._update(name, value, grads[name].astype(np.float32, copy=False))
+                    param[...] = value
         finally:
             self.lr = base
 
@@ -83,6 +90,21 @@ class Optimizer:
             param, slot = key.rsplit("/", 1)
             self.slots.setdefault(param, {})[slot] = np.array(value, np.float32)
 
+    def check_arrays(self, arrays: dict[str, np.ndarray], steps: int,
+                     params: dict[str, np.ndarray]) -> None:
+        """A checkpoint's arrays must be exactly this optimizer's slots of every weight (none
+        before the first update), each shaped like its weight."""
+        expected = {f"{p}/{slot}" for p in params for slot in self.slot_names} if steps else set()
+        wrong = sorted(set(arrays) ^ expected)
+        if wrong:
+            raise GraphoptError(f"checkpoint optimizer arrays {wrong[:3]} do not fit {self.name} "
+                                f"after {steps} update(s) of these weights")
+        for key, value in arrays.items():
+            shape = params[key.rsplit("/", 1)[0]].shape
+            if value.shape != shape:
+                raise GraphoptError(f"checkpoint optimizer array {key!r} has shape "
+                                    f"{value.shape}, its weight {shape}")
+
     def _hyper(self) -> dict:
         return {}
 
@@ -100,6 +122,7 @@ class SGD(Optimizer):
 class Momentum(Optimizer):
     """torch.optim.SGD(momentum=m): buf = m * buf + g (buf = g on the first step)."""
     name = "momentum"
+    slot_names = ("momentum",)
 
     def __init__(self, lr, weight_decay=0.0, momentum: float = 0.9):
         super().__init__(lr, weight_decay)
@@ -125,6 +148,7 @@ class AdamW(Optimizer):
     """torch.optim.AdamW: decoupled decay p *= 1 - lr * wd, then Adam with bias correction,
     in torch's order of operations (denominator sqrt(v) / sqrt(bc2) + eps)."""
     name = "adamw"
+    slot_names = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, lr, weight_decay=0.01, betas=(0.9, 0.999), eps: float = 1e-8):
         super().__init__(lr, weight_decay)

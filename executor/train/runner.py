@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -59,6 +60,7 @@ class RunOptions:
     checkpoint: str | None = None
     checkpoint_every: int | None = None
     resume: bool = False
+    allow_changed_graph: bool = False     # --resume a checkpoint of another training graph
     log: str | None = None
     plot: str | None = None
     denormal_report: str | None = None    # "-" prints only
@@ -113,6 +115,21 @@ def _resolve_source(opts: RunOptions):
     return model.proto, load_npz(opts.data), {}, model
 
 
+def one_line(exc: BaseException) -> str:
+    """An error message on one line: the executor lists unsupported ops one per line."""
+    lines = [line.strip().lstrip("- ").strip() for line in str(exc).splitlines()]
+    lines = [line for line in lines if line] or [type(exc).__name__]
+    return " ".join([lines[0], "; ".join(lines[1:])]).strip()
+
+
+MAX_SEED = 2**32 - 1   # numpy's and CuPy's seed range (the step is mixed into it)
+
+
+def _check_seed(seed) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise GraphoptError(f"--seed must be an integer from 0 to {MAX_SEED}, not {seed!r}")
+
+
 def _check_outputs(opts: RunOptions, source) -> None:
     """Refuse bad output paths before any training happens: none may be a file of the input
     model (its external data included; -o may be the model itself with --in-place), and no
@@ -132,6 +149,8 @@ def _check_outputs(opts: RunOptions, source) -> None:
         require_matplotlib()
     if opts.resume and not opts.checkpoint:
         raise GraphoptError("--resume needs --checkpoint DIR")
+    if opts.allow_changed_graph and not opts.resume:
+        raise GraphoptError("--allow-changed-graph applies only with --resume")
 
 
 def _total_steps(opts: RunOptions, defaults: dict, batches: Batches) -> int:
@@ -225,6 +244,18 @@ def _silent(_text: str) -> None:
 
 def _run(opts: RunOptions, echo, progress_stream, after_step,
          dist: distributed.Distributed | None) -> RunOutcome:
+    """The run, holding the checkpoint folder's lock (one run per folder, see checkpoint)."""
+    writer = dist is None or dist.writer
+    lock = ckpt.FolderLock.acquire(opts.checkpoint) if opts.checkpoint and writer else None
+    try:
+        return _run_locked(opts, echo, progress_stream, after_step, dist)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
+                dist: distributed.Distributed | None) -> RunOutcome:
     writer = dist is None or dist.writer
     say = (lambda _text: None) if opts.quiet else echo
     forward, arrays, defaults, source = _resolve_source(opts)
@@ -233,6 +264,7 @@ def _run(opts: RunOptions, echo, progress_stream, after_step,
         opts = _settings_from_checkpoint(opts, dist)
     if opts.seed is None:
         opts = dataclasses.replace(opts, seed=0)
+    _check_seed(opts.seed)
     precision, note = default_precision(forward, opts.precision)
     if note:
         say(f"note: {note}")
@@ -261,7 +293,7 @@ def _run(opts: RunOptions, echo, progress_stream, after_step,
                           training=True, seed=opts.seed,
                           denormal_stats=opts.denormal_report is not None)
     except ExecutorError as exc:
-        raise GraphoptError(str(exc)) from None
+        raise GraphoptError(one_line(exc)) from None
     if session.numerics is not None and hasattr(session.numerics, "describe"):
         say(session.numerics.describe())
 
@@ -283,6 +315,7 @@ def _run(opts: RunOptions, echo, progress_stream, after_step,
     check_schedule(schedule, opts.warmup or 0, total)
     if opts.clip_grad_norm is not None and not opts.clip_grad_norm > 0:
         raise GraphoptError(f"--clip-grad-norm must be positive, not {opts.clip_grad_norm}")
+    settings.allow_changed_graph = opts.allow_changed_graph
     settings.lr_schedule, settings.warmup = schedule, opts.warmup or 0
     settings.clip_grad_norm, settings.eval_every = opts.clip_grad_norm, opts.eval_every
     settings.run_settings = _settings_record(opts, loss, labels, optimizer, precision,
@@ -323,21 +356,40 @@ def _run(opts: RunOptions, echo, progress_stream, after_step,
         f"{precision}; loss scale "
         f"{scaler.describe()}; device {session.device}")
     try:
-        result = trainer.run()
-    except ExecutorError as exc:
-        raise GraphoptError(f"training step {trainer.step + 1} failed: {exc}") from None
-    finally:
-        if log is not None:
-            log.close()
-    outcome = RunOutcome(graph, result, session, forward)
-    numerics = getattr(session.numerics, "mode", "native")
-    outcome.plot_title = (f"graphopt run {opts.example or os.path.basename(opts.model or '')}\n"
-                          f"precision {precision}, numerics {numerics}, loss scale "
-                          f"{scaler.describe().split(' (')[0]}, {optimizer.name} lr "
-                          f"{optimizer.lr:g}")
-    if writer:
-        _finish(opts, outcome, say, echo)
+        try:
+            result = trainer.run()
+        except ExecutorError as exc:
+            raise GraphoptError(f"training step {trainer.step + 1} failed: {one_line(exc)}") \
+                from None
+        finally:
+            if log is not None:
+                log.close()
+        outcome = RunOutcome(graph, result, session, forward)
+        numerics = getattr(session.numerics, "mode", "native")
+        outcome.plot_title = (f"graphopt run {opts.example or os.path.basename(opts.model or '')}\n"
+                              f"precision {precision}, numerics {numerics}, loss scale "
+                              f"{scaler.describe().split(' (')[0]}, {optimizer.name} lr "
+                              f"{optimizer.lr:g}")
+        if writer:
+            _finish(opts, outcome, say, echo)
+    except KeyboardInterrupt as exc:
+        # a second Ctrl-C (or SIGTERM) ends the run at once: the CLI says what is kept
+        exc.kept = _kept(opts, trainer) if writer else None
+        raise
     return outcome
+
+
+def _kept(opts: RunOptions, trainer: Trainer) -> str | None:
+    """What an aborted run leaves that the user can use, in words (None: nothing)."""
+    parts = []
+    if opts.save_graph and os.path.exists(opts.save_graph):
+        parts.append(f"the training graph is in {opts.save_graph}")
+    saved = trainer.saved()
+    if saved is not None:
+        path, step = saved
+        parts.append(f"the checkpoint of step {step} is {path} (continue with --checkpoint "
+                     f"{os.path.dirname(path) or '.'} --resume)")
+    return "; ".join(parts) or None
 
 
 # Options a checkpoint keeps: a bare ``--resume`` continues the same run; one given again with
@@ -481,7 +533,8 @@ def _finish(opts: RunOptions, outcome: RunOutcome, say, echo) -> None:
             f"best {best['eval_loss']:.4f} (step {best['step']})")
     if result.interrupted:
         where = result.checkpoint or "(nothing saved)"
-        echo(f"interrupted after step {result.steps_done}; checkpoint {where}; continue with "
+        how = "terminated (SIGTERM)" if result.stop_signal == signal.SIGTERM else "interrupted"
+        echo(f"{how} after step {result.steps_done}; checkpoint {where}; continue with "
              f"--checkpoint {os.path.dirname(where) or '.'} --resume")
         return
     if result.checkpoint:

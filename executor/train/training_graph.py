@@ -16,6 +16,7 @@ A model that already has a YieldOp skips 1-3.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,6 +50,7 @@ class TrainingGraph:
     data_inputs: list[str]            # graph inputs fed from the data
     initial: dict[str, np.ndarray]    # float32 values of the params (from the model)
     reports: list[tuple[str, Report]] = field(default_factory=list)
+    fingerprint: str = ""             # what a checkpoint must match to resume (see below)
 
     @property
     def fired(self) -> list[str]:
@@ -112,7 +114,39 @@ def build(forward: onnx.ModelProto, *, loss: str | None = None, labels: str | No
     training, report = graphopt.optimize(training, level=level, disable=list(disable),
                                          check_input=False)
     reports.append((f"training graph, level {level}", report))
-    return _describe(training, forward, reports)
+    described = _describe(training, forward, reports)
+    described.fingerprint = fingerprint(forward, described.params, loss, labels)
+    return described
+
+
+def fingerprint(forward: onnx.ModelProto, trained, loss: str | None,
+                labels: str | None) -> str:
+    """SHA-256 of what the training graph computes: the forward model's nodes, inputs,
+    outputs, functions and opsets, every initializer's name, type and shape, the values of
+    those that are not trained (constants, frozen weights), which weights are trained, and
+    the loss. A checkpoint records it so that weights trained in one graph are not resumed
+    silently in another with the same weight names and shapes (Relu weights in a Tanh
+    model). Left out: the trained weights' values (the checkpoint holds those: the model
+    written by -o resumes too), and the rewrites (--level, --disable), which keep the meaning."""
+    digest = hashlib.sha256()
+
+    def add(*parts) -> None:
+        for part in parts:
+            data = part if isinstance(part, bytes) else repr(part).encode()
+            digest.update(len(data).to_bytes(8, "little") + data)
+
+    graph = forward.graph
+    add(sorted((normalize_domain(o.domain), o.version) for o in forward.opset_import))
+    for items in (graph.node, graph.input, graph.output, graph.sparse_initializer,
+                  forward.functions):
+        add(len(items), *(item.SerializeToString(deterministic=True) for item in items))
+    trained = set(trained)
+    for tensor in sorted(graph.initializer, key=lambda t: t.name):
+        add(tensor.name, tensor.data_type, list(tensor.dims))
+        if tensor.name not in trained:
+            add(np.ascontiguousarray(numpy_helper.to_array(tensor)).tobytes())
+    add(sorted(trained), loss, labels)
+    return digest.hexdigest()
 
 
 def _cross_entropy_layout(forward: onnx.ModelProto, labels: str | None, shapes: dict) -> dict:

@@ -59,6 +59,9 @@ def attach_loss(model: onnx.ModelProto, loss: str | None, outputs: Patterns,
         chosen = chosen or list(declared)
         differentiable = [n for n in chosen if _elem_type(declared[n]) in FLOAT_TYPES | {0}]
         passthrough = [n for n in chosen if n not in differentiable]
+        if not differentiable:   # a YieldOp with nothing to differentiate is no training graph
+            raise GraphoptError(f"loss='output': none of the outputs {chosen} is a float "
+                                "tensor, so there is no gradient to train with")
     else:
         if len(chosen) > 1 or (not chosen and len(declared) != 1):
             what = "the loss output" if loss is None else "the prediction output"

@@ -238,12 +238,14 @@ def digest(path: str) -> str:
 # checkpoint folder, and the run is interrupted again and again: SIGKILL at a random step
 # (from outside, when the per-step log reaches that step, plus a random fraction of a step),
 # SIGKILL from inside a checkpoint write (after a random number of bytes of the temporary
-# file, just before the rename, just after it), and SIGINT at a random step. Each next run
+# file, just before the rename, just after it), and SIGINT and SIGTERM at a random step
+# (both: finish the step, checkpoint, exit 130 / 143, nothing left behind). Each next run
 # resumes from whatever checkpoint is there (or starts over when there is none). After every
 # interruption:
 #
 # - the folder holds checkpoint.npz (or nothing yet) and, after SIGKILL only, hidden
-#   ``.checkpoint-*.npz.tmp`` files: never a partial checkpoint under the real name;
+#   ``.checkpoint-*.npz.tmp`` files and the killed run's folder lock (which the next run
+#   takes over): never a partial checkpoint under the real name;
 # - checkpoint.npz loads, and holds exactly the state (weights, optimizer, loss scaler,
 #   history) of the uninterrupted run at its step, which never goes backwards;
 # and at the end of a chain of interruptions, a resumed run finishes with weights bit-for-bit
@@ -449,7 +451,7 @@ class RunKillRig:
         except subprocess.TimeoutExpired:
             proc.kill()
             _, stderr = proc.communicate()
-        name = "SIGKILL" if sig == signal.SIGKILL else "SIGINT"
+        name = signal.Signals(sig).name
         result = RunKillResult(name, how, moment, proc.returncode, None)
         self._check(result, proc.pid, stderr, start_step)
         return result
@@ -465,6 +467,8 @@ class RunKillRig:
             result.problems.append(f"exit code {code} (expected SIGKILL): {stderr[-300:]}")
         elif result.signal == "SIGINT" and code != 130:
             result.problems.append(f"exit code {code} after SIGINT: {stderr[-300:]}")
+        elif result.signal == "SIGTERM" and code != 143:
+            result.problems.append(f"exit code {code} after SIGTERM: {stderr[-300:]}")
         if "Traceback" in stderr:
             result.problems.append(f"traceback: {stderr.strip().splitlines()[-1]}")
         listing = sorted(os.listdir(self.checkpoints)) if os.path.isdir(self.checkpoints) else []
@@ -474,8 +478,12 @@ class RunKillRig:
             if entry.startswith(ckpt.TEMP_PREFIX) and entry.endswith(ckpt.TEMP_SUFFIX):
                 result.hidden_leftovers.append(entry)
                 result.in_write = result.in_write or f"-{pid}-" in entry
-                if result.signal == "SIGINT" and f"-{pid}-" in entry:
-                    result.problems.append(f"temporary file left after SIGINT: {entry}")
+                if result.signal != "SIGKILL" and f"-{pid}-" in entry:
+                    result.problems.append(f"temporary file left after {result.signal}: "
+                                           f"{entry}")
+            elif entry == ckpt.LOCK_NAME:   # the folder lock: free once its run is gone
+                if result.signal != "SIGKILL":
+                    result.problems.append(f"the folder lock was left after {result.signal}")
             else:
                 result.problems.append(f"unexpected file in the checkpoint folder: {entry}")
         if ckpt.FILENAME not in listing:
@@ -520,7 +528,7 @@ class RunKillRig:
 
 
 RUN_KILL_KINDS = [(signal.SIGKILL, "at step"), (signal.SIGKILL, "inside write"),
-                  (signal.SIGKILL, "at step"), (signal.SIGKILL, "before rename"),
+                  (signal.SIGTERM, "at step"), (signal.SIGKILL, "before rename"),
                   (signal.SIGINT, "at step"), (signal.SIGKILL, "after rename")]
 
 
