@@ -382,7 +382,12 @@ class Graph:
         if attr is None:
             return None
         if attr.name == "value":
+            if int(np.prod(attr.t.dims)) > max_elements:
+                return None
             return numpy_helper.to_array(attr.t)
+        if attr.name in ("value_floats", "value_ints") and len(
+                attr.floats if attr.name == "value_floats" else attr.ints) > max_elements:
+            return None
         if attr.name in ("value_float", "value_int"):
             return np.array(onnx.helper.get_attribute_value(attr),
                             dtype=np.float32 if attr.name == "value_float" else np.int64)

@@ -4,6 +4,8 @@ or Size of a tensor whose shape is fully known is a constant too: fixing symboli
 dimensions (``graphopt optimize --input-shape``) lets exporters' shape arithmetic fold away."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import onnx
 from onnx import numpy_helper
@@ -21,14 +23,44 @@ NOT_FOLDED = frozenset({"Constant", "RandomNormal", "RandomNormalLike", "RandomU
 REFERENCE_WRONG_BEFORE_13 = frozenset({"Softmax", "LogSoftmax", "Hardmax"})
 
 
+def _outputs_small_enough(node, inputs: dict, opset: int) -> bool:
+    """Whether ONNX shape inference, given the input values, proves every output holds at
+    most MAX_FOLDED_ELEMENTS elements. Decided before evaluating: ConstantOfShape([1<<29]),
+    Range, Tile or Expand of a few small constants would otherwise allocate gigabytes just
+    to be thrown away. An output whose shape inference cannot pin down is not folded."""
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, STANDARD_DOMAIN)
+        types = {n: onnx.helper.make_tensor_type_proto(
+            onnx.helper.np_dtype_to_tensor_dtype(v.dtype), v.shape) for n, v in inputs.items()}
+        data = {n: numpy_helper.from_array(v, n) for n, v in inputs.items()}
+        outputs = onnx.shape_inference.infer_node_outputs(
+            schema, node, types, data,
+            opset_imports=[onnx.helper.make_opsetid(STANDARD_DOMAIN, opset)])
+    except Exception:  # no schema, or inference refuses the node: leave it alone
+        return False
+    for name in node.output:
+        if not name:
+            continue
+        tp = outputs.get(name)
+        dims = type_dims(tp) if tp is not None and tp.HasField("tensor_type") else None
+        if dims is None or not all(isinstance(d, int) and d >= 0 for d in dims):
+            return False
+        if math.prod(dims) > MAX_FOLDED_ELEMENTS:
+            return False
+    return True
+
+
 def _evaluate(graph, node):
     from onnx.reference import ReferenceEvaluator
 
-    inputs = {name: graph.constant_value(name) for name in node.input if name}
+    inputs = {name: graph.constant_value(name, MAX_FOLDED_ELEMENTS)
+              for name in node.input if name}
     if any(v is None for v in inputs.values()):
         return None
     opset = graph.model.opset(STANDARD_DOMAIN) or 1
     if opset < 13 and node.op_type in REFERENCE_WRONG_BEFORE_13:
+        return None
+    if not _outputs_small_enough(node, inputs, opset):
         return None
     single = onnx.helper.make_graph(
         [node], "fold",
