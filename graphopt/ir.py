@@ -94,6 +94,15 @@ def subgraphs_of(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
             yield from attr.graphs
 
 
+def nested_nodes(graph: onnx.GraphProto, depth: int = 0) -> Iterator[tuple[onnx.NodeProto, int]]:
+    """Every node of ``graph`` and of its subgraphs (If/Loop/Scan bodies), with its depth
+    (0: ``graph`` itself)."""
+    for node in graph.node:
+        yield node, depth
+        for sub in subgraphs_of(node):
+            yield from nested_nodes(sub, depth + 1)
+
+
 def free_variables(graph: onnx.GraphProto) -> list[str]:
     """Outer-scope tensors a subgraph reads: they count as inputs of the node that owns it."""
     defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}

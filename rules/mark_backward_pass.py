@@ -7,7 +7,7 @@ import onnx
 
 from graphopt.dsl import Pass
 from graphopt.errors import GraphoptError
-from graphopt.ir import MS_DOMAIN
+from graphopt.ir import MS_DOMAIN, nested_nodes, normalize_domain, subgraphs_of
 
 ATTRIBUTE = "__backwardpass"
 
@@ -28,13 +28,21 @@ def forward_nodes(graph, yield_id: int) -> set[int]:
 
 
 def mark(graph, report) -> int:
+    if graph is not graph.model.graph:
+        return 0  # the main graph's run counts (and refuses) the YieldOps of every branch
     yields = graph.nodes_of_type("YieldOp", MS_DOMAIN)
-    if not yields:
+    nested = [node for owner in graph.subgraph_owners
+              for body in subgraphs_of(graph.node(owner)) for node, _ in nested_nodes(body)
+              if node.op_type == "YieldOp" and normalize_domain(node.domain) == MS_DOMAIN]
+    if not yields and not nested:
         return 0
-    if len(yields) > 1:
-        names = ", ".join(repr(graph.nodes[i].name) for i in yields)
-        raise GraphoptError(f"the graph has {len(yields)} YieldOp nodes ({names}); "
-                            "a training graph has exactly one")
+    if len(yields) + len(nested) > 1 or nested:
+        names = ", ".join([repr(graph.nodes[i].name) for i in yields]
+                          + [repr(n.name) for n in nested])
+        where = f", {len(nested)} inside an If/Loop/Scan body" if nested else ""
+        raise GraphoptError(f"the graph has {len(yields) + len(nested)} YieldOp nodes "
+                            f"({names}){where}; a training graph has exactly one, "
+                            "in its main graph")
     forward = forward_nodes(graph, yields[0])
     changes = 0
     for node_id in graph.sorted_ids():

@@ -19,7 +19,7 @@ import onnx
 from onnx import helper
 
 from ..errors import GraphoptError
-from ..ir import MS_DOMAIN, Model, normalize_domain
+from ..ir import MS_DOMAIN, Model, nested_nodes, normalize_domain
 from ..modelio import load
 from . import gradients  # noqa: F401  (registers the built-in gradient definitions)
 from .emitter import Emitter, external_inputs
@@ -59,7 +59,13 @@ def build_training_graph(model: onnx.ModelProto | str | os.PathLike, loss: str |
     definition raise one GraphoptError naming all of them.
     """
     proto = load(model, check=False).proto  # a copy: the caller's proto is never modified
-    yields = [n for n in proto.graph.node if _is_yield(n)]
+    # a YieldOp in an If/Loop body counts too (and a training graph has none there)
+    yields = [n for n, _ in nested_nodes(proto.graph) if _is_yield(n)]
+    if any(depth for n, depth in nested_nodes(proto.graph) if _is_yield(n)):
+        listed = ", ".join(repr(n.name) for n in yields)
+        raise GraphoptError(f"the graph has {len(yields)} YieldOp node(s) ({listed}), one "
+                            "inside an If/Loop/Scan body; a training graph has exactly one, "
+                            "in its main graph")
     if yields:
         options = {"loss": loss, "outputs": outputs, "keep_outputs": keep_outputs,
                    "labels_name": labels_name, "trainable": trainable, "freeze": freeze,

@@ -11,6 +11,7 @@ import textwrap
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -101,3 +102,54 @@ def test_item08_small_constants_still_fold():
     assert [n.op_type for n in optimized.graph.node] == ["Add"]
     folded = {i.name: numpy_helper.to_array(i) for i in optimized.graph.initializer}
     np.testing.assert_array_equal(folded["r"], np.arange(8, dtype=np.float32))
+
+
+# ---- item 13 --------------------------------------------------------------------------
+MS = "com.microsoft"
+
+
+def yield_in_branch_model() -> onnx.ModelProto:
+    """A training graph's YieldOp at the top, and a second one inside an If branch."""
+    def branch(tag):
+        nodes = [helper.make_node("Identity", ["loss"], [f"{tag}_out"])]
+        if tag == "then":
+            nodes.append(helper.make_node("YieldOp", ["loss"], ["then_grad"], domain=MS,
+                                          name="hidden_yield", full_shape_outputs=[0]))
+        return helper.make_graph(nodes, tag, [], [helper.make_tensor_value_info(
+            f"{tag}_out", F, [])])
+
+    nodes = [helper.make_node("ReduceSum", ["x"], ["loss"], keepdims=0),
+             helper.make_node("YieldOp", ["loss"], ["loss_grad"], domain=MS, name="yield",
+                              full_shape_outputs=[0]),
+             helper.make_node("If", ["c"], ["picked"], then_branch=branch("then"),
+                              else_branch=branch("else")),
+             helper.make_node("Identity", ["loss_grad"], ["x_grad_scale"])]
+    return _model(nodes, [helper.make_tensor_value_info("x", F, [4]),
+                          helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+                  [helper.make_tensor_value_info("picked", F, []),
+                   helper.make_tensor_value_info("x_grad_scale", F, [])],
+                  extra_opsets=[helper.make_opsetid(MS, 1)])
+
+
+def test_item13_second_yieldop_inside_if_branch_is_refused(tmp_path):
+    import graphopt
+    from graphopt.errors import GraphoptError
+    from graphopt.training import build_training_graph
+
+    model = yield_in_branch_model()
+    with pytest.raises(GraphoptError, match=r"2 YieldOp nodes .*'hidden_yield'.*inside an If"):
+        graphopt.optimize(model, ["mark_backward_pass"], check_input=False)
+    with pytest.raises(GraphoptError, match=r"YieldOp node\(s\) .*'hidden_yield'.*If/Loop"):
+        build_training_graph(model)
+    path = tmp_path / "two_yields.onnx"
+    onnx.save(model, path)
+    np.savez(tmp_path / "d.npz", x=np.ones((2, 4), np.float32), c=np.array([True, True]))
+    for command in (["optimize", str(path), "-o", str(tmp_path / "o.onnx")],
+                    ["run", str(path), "--data", str(tmp_path / "d.npz"), "--steps", "1",
+                     "-o", str(tmp_path / "t.onnx")]):
+        done = subprocess.run([sys.executable, "-m", "graphopt", *command], capture_output=True,
+                              text=True, timeout=120, cwd=ROOT,
+                              env=dict(os.environ, PYTHONPATH=ROOT))
+        assert done.returncode != 0, (command, done.stdout, done.stderr)
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and "YieldOp" in lines[0], (command, done.stderr)
