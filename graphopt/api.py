@@ -100,6 +100,14 @@ def why_not_selected(name: str, *, rules: Iterable | None = None, level: int = 2
 
 def optimize_loaded(model: Model, rules: list, *, explain: Iterable[str] = (),
                     selection: dict | None = None):
+    validated, report = _optimize_model(model, rules, explain=explain, selection=selection)
+    return validated.flush(), report
+
+
+def _optimize_model(model: Model, rules: list, *, explain: Iterable[str] = (),
+                    selection: dict | None = None):
+    """(the validated Model, which is not ``model`` when a careful replay rolled a rewrite
+    back, and the Report)."""
     explain = list(explain)
     known = {r.name for r in all_rules().values()} | {r.name for r in rules}
     for name in explain:
@@ -123,8 +131,9 @@ def optimize_loaded(model: Model, rules: list, *, explain: Iterable[str] = (),
             if reason is not None:  # the input was already broken, not made so by a rule
                 raise GraphoptError(f"{model.path or 'model'}: invalid ONNX model: {reason}") \
                     from None
-            gated = report.gated
+            gated, external = report.gated, model.external
             model, report = _replay_carefully(original, model.path, rules, explain, exc)
+            model.external = external  # the same input files, still open
             report.gated = {**gated, **report.gated}
         report.validation_seconds = time.perf_counter() - check_start
         report.validated = True
@@ -132,7 +141,7 @@ def optimize_loaded(model: Model, rules: list, *, explain: Iterable[str] = (),
     report.seconds = time.perf_counter() - start
     report.op_types_before = op_types_before
     report.op_types_after = op_type_counts(model)
-    return model.flush(), report
+    return model, report
 
 
 def op_type_counts(model: Model) -> dict[str, int]:
@@ -211,8 +220,10 @@ def optimize_file(source: str, out: str | None, *, in_place: bool = False, dry_r
         original = onnx.ModelProto()
         original.CopyFrom(model.proto)
     explain = options.pop("explain", ())
-    optimized, report = optimize_loaded(model, select_rules(**options), explain=explain,
-                                        selection=options)
+    # save what validation accepted: a failed final check replays into a new Model
+    model, report = _optimize_model(model, select_rules(**options), explain=explain,
+                                    selection=options)
+    optimized = model.flush()
     if before_save is not None:
         before_save(original, optimized)   # e.g. --check: raises to write nothing
     if not dry_run:

@@ -482,7 +482,11 @@ class Rewriter:
 
     def _redirect(self, old: str, new: str) -> None:
         graph = self.graph
-        if graph.is_output(old):
+        implicit = graph._implicit
+        # A subgraph (If/Loop body) reading ``old`` from the outer scope is a use too, and
+        # one that rewiring inputs cannot reach: keep the name alive, as for a graph output.
+        if graph.is_output(old) or (implicit and any(
+                old in implicit.get(c, ()) for c in graph.consumers_of(old))):
             self.new_nodes.append((onnx.helper.make_node(
                 "Identity", [new], [old], name=self.model.names.fresh(f"{old}/Identity")), None))
         else:

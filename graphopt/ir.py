@@ -185,6 +185,8 @@ def _all_names(graph: onnx.GraphProto) -> Iterator[str]:
         yield vi.name
     for t in graph.initializer:
         yield t.name
+    for sparse in graph.sparse_initializer:  # its name is its values tensor's
+        yield sparse.values.name
     for node in graph.node:
         if node.name:
             yield node.name
@@ -200,6 +202,8 @@ def _all_names_indexed(graph: Graph) -> Iterator[str]:
     for vi in itertools.chain(proto.input, proto.output, proto.value_info):
         yield vi.name
     yield from graph.initializers
+    for sparse in proto.sparse_initializer:
+        yield sparse.values.name
     for node in proto.node:
         if node.name:
             yield node.name

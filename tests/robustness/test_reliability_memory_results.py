@@ -153,3 +153,100 @@ def test_item13_second_yieldop_inside_if_branch_is_refused(tmp_path):
         assert done.returncode != 0, (command, done.stdout, done.stderr)
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and "YieldOp" in lines[0], (command, done.stderr)
+
+
+# ---- item 11 --------------------------------------------------------------------------
+def if_reads_folded_transpose_model() -> onnx.ModelProto:
+    """Transpose(Transpose(x)) cancels out, and both If branches read its result t2 from the
+    outer scope: fold_transposes must keep t2 defined."""
+    def branch(tag):
+        return helper.make_graph([helper.make_node("Identity", ["t2"], [f"{tag}_o"])], tag,
+                                 [], [helper.make_tensor_value_info(f"{tag}_o", F, [2, 3])])
+    return _model([helper.make_node("Transpose", ["x"], ["t1"], perm=[1, 0]),
+                   helper.make_node("Transpose", ["t1"], ["t2"], perm=[1, 0]),
+                   helper.make_node("If", ["c"], ["b"], then_branch=branch("then"),
+                                    else_branch=branch("else"))],
+                  [helper.make_tensor_value_info("x", F, [2, 3]),
+                   helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+                  [helper.make_tensor_value_info("b", F, [2, 3])])
+
+
+def sparse_split_sizes_model() -> onnx.ModelProto:
+    """Two Slices tiling axis 1 (gather_slice_to_split makes a constant named split_sizes)
+    next to a (spare) sparse initializer already named split_sizes."""
+    ints = lambda name, v: numpy_helper.from_array(np.array(v, np.int64), name)  # noqa: E731
+    sparse = helper.make_sparse_tensor(numpy_helper.from_array(
+        np.array([5.0], np.float32), "split_sizes"), ints("", [1]), [3])
+    model = _model([helper.make_node("Slice", ["x", "s0", "e0", "ax"], ["a"]),
+                    helper.make_node("Slice", ["x", "s1", "e1", "ax"], ["b"])],
+                   [helper.make_tensor_value_info("x", F, [2, 6, 4])],
+                   [helper.make_tensor_value_info("a", F, [2, 3, 4]),
+                    helper.make_tensor_value_info("b", F, [2, 3, 4])],
+                   [ints("s0", [0]), ints("e0", [3]), ints("s1", [3]), ints("e1", [6]),
+                    ints("ax", [1])])
+    model.graph.sparse_initializer.append(sparse)
+    return model
+
+
+def _cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "graphopt", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+
+
+def _same_results(original, optimized, feeds):
+    import onnxruntime as ort
+
+    def run(model):
+        session = ort.InferenceSession(model.SerializeToString(),
+                                       providers=["CPUExecutionProvider"])
+        return session.run(None, feeds)
+    for want, got in zip(run(original), run(optimized), strict=True):
+        np.testing.assert_array_equal(want, got)
+
+
+@pytest.mark.parametrize("case", ["if_reads_folded_transpose", "sparse_split_sizes"])
+def test_item11_cli_writes_a_valid_model_for_outer_scope_uses_and_generated_names(case,
+                                                                                   tmp_path):
+    model = {"if_reads_folded_transpose": if_reads_folded_transpose_model,
+             "sparse_split_sizes": sparse_split_sizes_model}[case]()
+    onnx.checker.check_model(model, full_check=True)
+    source, out = tmp_path / "in.onnx", tmp_path / "out.onnx"
+    onnx.save(model, source)
+    done = _cli("optimize", source, "-o", out)
+    assert done.returncode == 0, done.stderr
+    written = onnx.load(out)
+    onnx.checker.check_model(written, full_check=True)
+    x = np.arange(np.prod([d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]),
+                  dtype=np.float32).reshape(
+        [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim])
+    feeds = {"x": x} if case == "sparse_split_sizes" else {"x": x, "c": np.array(True)}
+    _same_results(model, written, feeds)
+    assert "final validation failed" not in done.stderr  # the rules got it right first time
+    fired = {"if_reads_folded_transpose": "Transpose", "sparse_split_sizes": "Slice"}[case]
+    assert fired not in [n.op_type for n in written.graph.node]  # the rewrite was made
+
+
+def test_item11_optimize_file_saves_the_model_final_validation_accepted(tmp_path):
+    """A pass that breaks the model in a way only the whole-model check sees (it drops the
+    producer of a tensor an If branch reads): the careful replay rolls it back, and the file
+    written is that validated model, not the first attempt."""
+    from graphopt import api
+    from graphopt.dsl import Pass
+
+    def drop_t2_producer(graph, report):
+        producer = graph.producer.get("t2")
+        if producer is None:
+            return 0
+        graph.remove_node(producer)
+        return 1
+
+    bad = Pass(name="drop_t2_producer", description="a buggy pass", level=1, run=drop_t2_producer)
+    model = if_reads_folded_transpose_model()
+    source, out = tmp_path / "in.onnx", tmp_path / "out.onnx"
+    onnx.save(model, source)
+    report = api.optimize_file(str(source), str(out), rules=[bad])
+    assert any("final validation failed" in w for w in report.warnings)
+    written = onnx.load(out)
+    onnx.checker.check_model(written, full_check=True)
+    assert [n.op_type for n in written.graph.node] == ["Transpose", "Transpose", "If"]
