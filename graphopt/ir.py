@@ -214,6 +214,29 @@ def _all_names_indexed(graph: Graph) -> Iterator[str]:
             yield from _all_names(sub)
 
 
+def _hide_declarations(graph: onnx.GraphProto) -> list:
+    """Take out every value_info and output shape of ``graph`` and its subgraphs (undone by
+    _restore_declarations): the whole-model proto is not copied, weights included."""
+    hidden = [(graph, list(graph.value_info), [
+        (out, onnx.TypeProto.FromString(out.type.SerializeToString())) for out in graph.output
+        if out.type.HasField("tensor_type") and out.type.tensor_type.HasField("shape")])]
+    del graph.value_info[:]
+    for out, _ in hidden[0][2]:
+        out.type.tensor_type.ClearField("shape")
+    for node in graph.node:
+        for sub in subgraphs_of(node):
+            hidden.extend(_hide_declarations(sub))
+    return hidden
+
+
+def _restore_declarations(hidden: list) -> None:
+    for graph, value_info, outputs in hidden:
+        del graph.value_info[:]
+        graph.value_info.extend(value_info)
+        for out, tp in outputs:
+            out.type.CopyFrom(tp)
+
+
 def _collect_value_info(graph: onnx.GraphProto, found: dict) -> None:
     for vi in itertools.chain(graph.value_info, graph.output):
         if vi.type.HasField("tensor_type"):
@@ -333,6 +356,11 @@ class Graph:
         for vi in itertools.chain(proto.input, proto.output, proto.value_info):
             if vi.type.HasField("tensor_type"):
                 self.types[intern(vi.name)] = vi.type
+        # Shapes the file declares for outputs and intermediates are claims, not facts (a
+        # value_info can say [2,6,4] where the inputs give [B,S,4]): before a rule sees a
+        # shape they are replaced by what inference from the graph's inputs finds.
+        self._declared = {name for name, tp in self.types.items()
+                          if name not in self.input_set and tp.tensor_type.HasField("shape")}
         self._implicit: dict[int, list[str]] = {}
         self._scratch: onnx.GraphProto | None = None  # holds the nodes new_node makes
         self.journal: list | None = None
@@ -426,8 +454,28 @@ class Graph:
             return self.elem_type(tensor, infer=False)
         return None
 
+    def verify_declared(self) -> None:
+        """Replace the declared (value_info, output) types by the ones inference from the
+        graph's inputs gives; a declared shape inference cannot confirm is dropped."""
+        if not self._declared:
+            return
+        declared, self._declared = self._declared, set()
+        found = self.model.inferred_types()
+        for name in declared:
+            tp = found.get(name)
+            old = self.types.get(name)
+            if old is None:
+                continue
+            if tp is None or not tp.HasField("tensor_type"):
+                tp = onnx.TypeProto()
+                tp.tensor_type.elem_type = old.tensor_type.elem_type
+            self.types[name] = tp
+
     def static_shape(self, tensor: str, infer: bool = True) -> list[int | None] | None:
-        """Shape with None for unknown dims, or None when even the rank is unknown."""
+        """Shape with None for unknown dims, or None when even the rank is unknown: from the
+        graph's inputs, initializers and inference, never from a declaration alone."""
+        if self._declared:
+            self.verify_declared()
         tp = self.types.get(tensor)
         if tp is not None and tp.tensor_type.HasField("shape"):
             return [d.dim_value if d.HasField("dim_value") else None
@@ -729,6 +777,7 @@ class Model:
         self.names = NameGenerator(_all_names_indexed(self.graph))
         self._subgraphs: dict[int, Graph] = {}
         self._inferred = False
+        self._found: dict[str, onnx.TypeProto] | None = None
 
     @property
     def opsets(self) -> dict[str, int]:
@@ -768,17 +817,32 @@ class Model:
         if self._inferred:
             return False
         self._inferred = True
-        try:
-            inferred = onnx.shape_inference.infer_shapes(self.flush(), data_prop=True)
-        except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError):
+        found = self.inferred_types()
+        if not found:
             return False
-        found: dict[str, onnx.TypeProto] = {}
-        _collect_value_info(inferred.graph, found)
         for graph in [self.graph, *self._subgraphs.values()]:
             for name, tp in found.items():
                 if name not in graph.types and (name in graph.producer or name in graph.consumers):
                     graph.types[name] = tp
         return True
+
+    def inferred_types(self) -> dict[str, onnx.TypeProto]:
+        """name -> type from ONNX shape inference (with data propagation) on the graph's
+        inputs alone: the declared value_info and output shapes are hidden from it, so a
+        declaration that lies cannot leak into the result. Computed once per model."""
+        if self._found is not None:
+            return self._found
+        self._found = {}
+        proto = self.flush()
+        hidden = _hide_declarations(proto.graph)
+        try:
+            inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+        except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError):
+            return self._found
+        finally:
+            _restore_declarations(hidden)
+        _collect_value_info(inferred.graph, self._found)
+        return self._found
 
     def has_external_data(self) -> bool:
         return bool(external_tensors(self.proto))
