@@ -4,9 +4,12 @@ The estimate walks a Plan's steps the way Session.run does: initializers stay re
 the session's life, feeds are live from the start, each step allocates its outputs while its
 inputs are still alive, and the slots listed in ``step.release`` (built from the plan's
 last-use table) are freed after it. Tensor sizes come from static shapes (the graph's
-value_info, or ONNX shape inference); dims that stay symbolic are bound from the feed shapes
-when ``run()`` starts, before any node executes. Tensors whose size stays unknown count as
-zero, so the estimate is a lower bound: it refuses only what certainly cannot fit.
+value_info, or ONNX shape inference, and for the com.microsoft kernels ONNX does not know,
+the estimates of executor/output_sizes.py, propagated through the nodes after them); dims
+that stay symbolic are bound from the feed shapes when ``run()`` starts, before any node
+executes. Tensors whose size stays unknown (data-dependent shapes) count as zero, so the
+estimate is a lower bound: it refuses only what certainly cannot fit. A kernel without an
+output-size estimate makes the guard refuse the graph rather than count it as free.
 
 Available memory: CPU, /proc/meminfo MemAvailable (else sysconf), capped by a cgroup limit
 when there is one; GPU, cupy.cuda.runtime.memGetInfo(). ``GRAPHOPT_MEMORY_LIMIT`` (bytes,
@@ -22,6 +25,7 @@ import numpy as np
 import onnx
 
 from .errors import ExecutorError
+from .output_sizes import NoSizeEstimateError, output_types
 
 ENV = "GRAPHOPT_MEMORY_LIMIT"
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -165,6 +169,82 @@ def infer_types(model: onnx.ModelProto,
     return types
 
 
+def _type_proto(t) -> onnx.TypeProto:
+    elem, dims = t
+    return onnx.helper.make_tensor_type_proto(elem, [d if d is not None else None
+                                                     for d in dims])
+
+
+def complete_types(nodes, model: onnx.ModelProto, types: dict, constant) -> dict:
+    """Fill in what ONNX inference left out: outputs of the non-ONNX kernels (their
+    estimates) and of the standard nodes after them (per-node inference), in plan order.
+    ``constant(name)``: a small initializer's value, else None."""
+    graph_nodes = model.graph.node
+    for init in model.graph.initializer:  # inference lists no initializer in value_info
+        types.setdefault(init.name, (init.data_type, list(init.dims)))
+    opsets = {o.domain or "": o.version for o in model.opset_import}
+    shapes: dict[str, np.ndarray] = {}  # Shape outputs whose value the static dims give
+    outer = constant
+
+    def constant(name):  # noqa: F811  (initializers, then the Shape values found so far)
+        value = shapes.get(name)
+        return value if value is not None else outer(name)
+
+    for node in nodes:
+        if node.op_type == "Shape" and node.domain == "" and node.inputs:
+            t = types.get(node.inputs[0])
+            if t is not None and not _unknown(t) and all(isinstance(d, int) for d in t[1]):
+                rank = len(t[1])
+                start, end = node.attrs.get("start", 0), node.attrs.get("end", rank)
+                shapes[node.outputs[0]] = np.array(t[1], np.int64)[slice(start, end)]
+        missing = [o for o in node.outputs if o and _unknown(types.get(o))]
+        if node.domain != "":
+            inputs = [types.get(n) if n else None for n in node.inputs]
+            names = node.inputs
+            try:
+                outs = output_types(node, inputs,
+                                    lambda i, names=names: constant(names[i])
+                                    if i < len(names) and names[i] else None)
+            except NoSizeEstimateError:
+                raise
+            except Exception:  # odd attributes or ranks: the kernel will say; size unknown
+                continue
+            for name, t in zip(node.outputs, outs, strict=False):
+                if name in missing and t is not None:
+                    types[name] = (t[0], list(t[1]))
+            continue
+        if not missing or any(n and n not in types for n in node.inputs):
+            continue
+        proto = graph_nodes[node.index]
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+               for a in proto.attribute):
+            continue
+        try:
+            schema = onnx.defs.get_schema(proto.op_type, opsets.get("", 1), "")
+            data = {}
+            for n in proto.input:
+                value = constant(n) if n else None
+                if value is not None:
+                    data[n] = onnx.numpy_helper.from_array(np.asarray(value), n)
+            inferred = onnx.shape_inference.infer_node_outputs(
+                schema, proto, {n: _type_proto(types[n]) for n in proto.input if n}, data,
+                opset_imports=[onnx.helper.make_opsetid("", opsets.get("", 1))])
+        except Exception:  # partial knowledge is fine: unknown sizes count as zero
+            continue
+        for name in missing:
+            tp = inferred.get(name)
+            tt = tp.tensor_type if tp is not None and tp.HasField("tensor_type") else None
+            if tt is not None and tt.elem_type and tt.HasField("shape"):
+                types[name] = (tt.elem_type, [
+                    d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                    for d in tt.shape.dim])
+    return types
+
+
+def _unknown(t) -> bool:
+    return t is None or any(d is None for d in t[1])
+
+
 # ---- the estimate ---------------------------------------------------------------------
 def planned_peak(plan, sizes: Mapping[str, int | None], resident: int,
                  feeds: Mapping[str, int]) -> tuple[int, int | None]:
@@ -205,9 +285,20 @@ class MemoryGuard:
             # the initializers were uploaded before this reading: the driver's free figure
             # already excludes them, and planned_peak counts them as resident again
             self.available += self.resident
-        self.types = infer_types(session.model) if self.available is not None else {}
+        self.types = self._infer() if self.available is not None else {}
         self._cache: dict[tuple, dict[str, int | None]] = {}
         self._verdicts: dict[tuple, int] = {}
+
+    def _constant(self, name: str):
+        value = self.session._initializers.get(name)
+        if (value is None or name in self.session._overridable
+                or getattr(value, "size", 1 << 20) > 4096):
+            return None
+        return self.session.backend.to_host(value)
+
+    def _infer(self, input_shapes=None) -> dict[str, tuple[int, list]]:
+        types = infer_types(self.session.model, input_shapes)
+        return complete_types(self.session._ordered, self.session.model, types, self._constant)
 
     def _sizes(self, symbols: Mapping[str, int], types=None) -> dict[str, int | None]:
         return {name: _bytes(elem, dims, symbols) for name, (elem, dims) in
@@ -245,7 +336,7 @@ class MemoryGuard:
                         symbols.setdefault(d, actual)
             sizes = self._sizes(symbols)
             if any(v is None for v in sizes.values()):  # still unknown: infer with shapes
-                sizes = self._sizes(symbols, infer_types(self.session.model, shapes))
+                sizes = self._sizes(symbols, self._infer(shapes))
             if len(self._cache) < 64:
                 self._cache[key] = sizes
         fed = {n: int(getattr(v, "nbytes", 0)) for n, v in feeds.items()}
