@@ -8,7 +8,9 @@ the uninterrupted run.
 """
 from __future__ import annotations
 
+import math
 import os
+import struct
 import zipfile
 import zlib
 from collections.abc import Mapping, Sequence
@@ -17,17 +19,98 @@ import numpy as np
 
 from graphopt.errors import GraphoptError
 
+from ..memory import available_bytes, gib
 
-def load_npz(path: str) -> dict[str, np.ndarray]:
+
+def load_npz(path: str) -> NpzArrays:
+    """The arrays of a .npz file, read only when asked for (see NpzArrays)."""
     if not os.path.isfile(path):
         raise GraphoptError(f"--data {path}: no such file")
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            return {name: archive[name] for name in archive.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
-        # zlib.error: a damaged member of a compressed (np.savez_compressed) archive
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise GraphoptError(f"--data {path}: not a readable .npz file ({reason})") from None
+    return NpzArrays(path)
+
+
+_LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # a zip member's local file header
+
+
+class NpzArrays(Mapping):
+    """A .npz archive as a read-only mapping that reads nothing until an array is asked for.
+
+    Listing the names reads the zip directory; each array's .npy header (dtype, shape) is
+    read, and its size checked against the memory the machine has, before a byte of its
+    data is decompressed. Arrays stored uncompressed (``np.savez``) are memory-mapped, so
+    batches are copied out row by row; compressed ones (``np.savez_compressed``) are
+    decompressed when first read. Arrays the graph never reads cost nothing."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            with zipfile.ZipFile(path) as archive:
+                infos = archive.infolist()
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise GraphoptError(f"--data {path}: not a readable .npz file ({reason})") from None
+        self._members = {info.filename.removesuffix(".npy"): info for info in infos
+                         if not info.is_dir()}
+        self._loaded: dict[str, np.ndarray] = {}
+
+    def __iter__(self):
+        return iter(self._members)
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        array = self._loaded.get(name)
+        if array is None:
+            info = self._members[name]  # KeyError for a name the archive lacks
+            try:
+                array = self._read(name, info)
+            except GraphoptError:
+                raise
+            except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+                # zlib.error: a damaged member of a compressed (np.savez_compressed) archive
+                reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise GraphoptError(f"--data {self.path}: not a readable .npz file (array "
+                                    f"{name!r}: {reason})") from None
+            self._loaded[name] = array
+        return array
+
+    def _read(self, name: str, info: zipfile.ZipInfo) -> np.ndarray:
+        with zipfile.ZipFile(self.path) as archive, archive.open(info) as stream:
+            version = np.lib.format.read_magic(stream)
+            shape, fortran, dtype = (np.lib.format.read_array_header_1_0(stream)
+                                     if version == (1, 0) else
+                                     np.lib.format.read_array_header_2_0(stream))
+            header_length = stream.tell()
+            if dtype.hasobject:
+                raise GraphoptError(f"--data {self.path}: array {name!r} holds Python "
+                                    "objects (pickles are never loaded)")
+            nbytes = math.prod(shape) * dtype.itemsize
+            available = available_bytes(None)
+            if available is not None and nbytes > available:
+                raise GraphoptError(
+                    f"--data {self.path}: array {name!r} {tuple(shape)} {dtype} needs "
+                    f"{gib(nbytes)}, more than the {gib(available)} available")
+            if info.file_size != header_length + nbytes:
+                raise GraphoptError(f"--data {self.path}: array {name!r}: its header says "
+                                    f"{nbytes} bytes of data, the archive holds "
+                                    f"{info.file_size - header_length}")
+            if info.compress_type != zipfile.ZIP_STORED or nbytes == 0:
+                data = np.empty(nbytes, np.uint8)  # decompressed straight into place
+                view, done = memoryview(data), 0
+                while done < nbytes:
+                    got = stream.readinto(view[done:])
+                    if not got:
+                        raise EOFError(f"the data ends after {done} of {nbytes} bytes")
+                    done += got
+                return data.view(dtype).reshape(shape, order="F" if fortran else "C")
+        with open(self.path, "rb") as f:  # stored: map the bytes where they lie
+            f.seek(info.header_offset)
+            local = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
+            offset = (info.header_offset + _LOCAL_HEADER.size + local[-2] + local[-1]
+                      + header_length)
+        return np.memmap(self.path, dtype=dtype, mode="r", offset=offset, shape=tuple(shape),
+                         order="F" if fortran else "C")
 
 
 class Batches:
