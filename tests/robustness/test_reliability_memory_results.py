@@ -197,8 +197,11 @@ def _cli(*args, timeout=120):
 def _same_results(original, optimized, feeds):
     import onnxruntime as ort
 
+    options = ort.SessionOptions()  # onnxruntime's own fusions trust value_info too
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+
     def run(model):
-        session = ort.InferenceSession(model.SerializeToString(),
+        session = ort.InferenceSession(model.SerializeToString(), options,
                                        providers=["CPUExecutionProvider"])
         return session.run(None, feeds)
     for want, got in zip(run(original), run(optimized), strict=True):
@@ -250,3 +253,197 @@ def test_item11_optimize_file_saves_the_model_final_validation_accepted(tmp_path
     written = onnx.load(out)
     onnx.checker.check_model(written, full_check=True)
     assert [n.op_type for n in written.graph.node] == ["Transpose", "Transpose", "If"]
+
+
+# ---- item 12 --------------------------------------------------------------------------
+def lying_value_info_model() -> onnx.ModelProto:
+    """x[B, S, 4] -> Relu -> y, declared [2, 6, 4] by value_info; Gather(y, 0, axis 1) and
+    Slice(y, 1:6, axis 1) tile axis 1 only if S really is 6."""
+    ints = lambda name, v: numpy_helper.from_array(np.array(v, np.int64), name)  # noqa: E731
+    return _model([helper.make_node("Relu", ["x"], ["y"]),
+                   helper.make_node("Gather", ["y", "i0"], ["first"], axis=1),
+                   helper.make_node("Slice", ["y", "s", "e", "ax"], ["rest"])],
+                  [helper.make_tensor_value_info("x", F, ["B", "S", 4])],
+                  [helper.make_tensor_value_info("first", F, ["B", 4]),
+                   helper.make_tensor_value_info("rest", F, ["B", None, 4])],
+                  [ints("i0", 0), ints("s", [1]), ints("e", [6]), ints("ax", [1])],
+                  value_info=[helper.make_tensor_value_info("y", F, [2, 6, 4])])
+
+
+def test_item12_split_fusion_does_not_trust_lying_value_info(tmp_path):
+    import graphopt
+
+    model = lying_value_info_model()
+    optimized, _ = graphopt.optimize(model)
+    assert "Split" not in [n.op_type for n in optimized.graph.node]
+    for shape in [(2, 6, 4), (3, 9, 4), (1, 3, 4)]:  # all accepted by the original
+        x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+        _same_results(model, optimized, {"x": x})
+    source, out = tmp_path / "in.onnx", tmp_path / "out.onnx"
+    onnx.save(model, source)
+    assert _cli("optimize", source, "-o", out).returncode == 0
+    _same_results(model, onnx.load(out), {"x": np.ones((3, 9, 4), np.float32)})
+
+
+def test_item12_split_fusion_still_fires_when_inference_proves_the_shape():
+    """The same graph with x declared [2, 6, 4]: inference from the input proves axis 1 is
+    6, so the pieces tile it and the fusion is made."""
+    import graphopt
+
+    model = lying_value_info_model()
+    dims = model.graph.input[0].type.tensor_type.shape.dim
+    dims[0].dim_value, dims[1].dim_value = 2, 6
+    del model.graph.value_info[:]
+    optimized, _ = graphopt.optimize(model)
+    assert "Split" in [n.op_type for n in optimized.graph.node]
+    _same_results(model, optimized, {"x": np.ones((2, 6, 4), np.float32)})
+
+
+# ---- item 9 ---------------------------------------------------------------------------
+def fused_outer_product_model() -> onnx.ModelProto:
+    """FusedMatMul(a[N, 1], b[1, N]) -> [N, N] -> ReduceSum: ONNX shape inference does not
+    know FusedMatMul, so its output (and everything after it) used to count 0 bytes."""
+    ms = helper.make_opsetid(MS, 1)
+    return _model([helper.make_node("FusedMatMul", ["a", "b"], ["p"], domain=MS, alpha=2.0),
+                   helper.make_node("Relu", ["p"], ["q"]),
+                   helper.make_node("ReduceSum", ["q"], ["s"], keepdims=0)],
+                  [helper.make_tensor_value_info("a", F, ["N", 1]),
+                   helper.make_tensor_value_info("b", F, [1, "N"])],
+                  [helper.make_tensor_value_info("s", F, [])], extra_opsets=[ms])
+
+
+def test_item09_memory_guard_counts_fusedmatmul_outputs(monkeypatch):
+    from graphopt.executor import Session, memory
+    from graphopt.executor.memory import MemoryLimitError
+
+    monkeypatch.setenv(memory.ENV, "1G")
+    session = Session(fused_outer_product_model(), device="cpu", numerics=None)
+    small = np.ones((64, 1), np.float32)
+    assert session.run({"a": small, "b": small.T})["s"] == 2 * 64 * 64
+    n = 1 << 15  # p and q: [N, N] float32 = 4 GiB each, both alive at the Relu
+    ran = []
+    with pytest.raises(MemoryLimitError, match=r"planned peak memory 8\.0 GiB exceeds the "
+                                               r"1\.0 GiB available"):
+        session.run({"a": np.ones((n, 1), np.float32), "b": np.ones((1, n), np.float32)},
+                    observer=lambda *args: ran.append(args))
+    assert ran == []
+
+
+def test_item09_every_registered_kernel_has_an_output_size_estimate():
+    from graphopt.executor.output_sizes import has_estimate
+    from graphopt.executor.registry import all_specs
+
+    missing = [f"{s.domain or 'ai.onnx'}.{s.op_type}" for s in all_specs()
+               if not has_estimate(s.domain, s.op_type)]
+    assert missing == []
+
+
+def test_item09_a_contrib_op_without_an_estimate_is_refused_not_counted_zero():
+    from graphopt.executor.memory import complete_types
+    from graphopt.executor.output_sizes import NoSizeEstimateError
+    from graphopt.executor.plan import PlannedNode
+
+    node = PlannedNode(index=0, name="mystery", op_type="NotEstimated", domain=MS, opset=1,
+                       inputs=("x",), outputs=("y",), attrs={})
+    model = _model([helper.make_node("NotEstimated", ["x"], ["y"], domain=MS)],
+                   [helper.make_tensor_value_info("x", F, [4])],
+                   [helper.make_tensor_value_info("y", F, None)])
+    with pytest.raises(NoSizeEstimateError, match=r"no output-size estimate for "
+                                                  r"com\.microsoft\.NotEstimated"):
+        complete_types([node], model, {"x": (F, [4])}, lambda name: None)
+
+
+def test_item09_contrib_estimates_agree_with_the_kernels():
+    """Each estimate, on a small graph the executor runs, gives the shapes the kernels make."""
+    from graphopt.executor import Session, memory
+    from graphopt.executor.memory import complete_types, infer_types
+
+    ms = helper.make_opsetid(MS, 1)
+    model = _model(
+        [helper.make_node("FusedMatMul", ["a", "b"], ["p"], domain=MS, transA=1,
+                          transBatchB=1),
+         helper.make_node("Gelu", ["p"], ["g"], domain=MS),
+         helper.make_node("BiasGelu", ["g", "bias"], ["bg"], domain=MS),
+         helper.make_node("GeluGrad", ["bg", "p"], ["gg"], domain=MS),
+         helper.make_node("ConcatTraining", ["gg", "p"], ["cat", "lengths"], domain=MS, axis=1),
+         helper.make_node("SplitTraining", ["cat", "sizes"], ["s0", "s1"], domain=MS, axis=1),
+         helper.make_node("ReduceSumTraining", ["s1", "axes"], ["r"], domain=MS, keepdims=0),
+         helper.make_node("Add", ["r", "r"], ["out"])],
+        [helper.make_tensor_value_info("a", F, [3, 4, 5]),
+         helper.make_tensor_value_info("b", F, [4, 3, 6])],
+        [helper.make_tensor_value_info("out", F, None)],
+        [numpy_helper.from_array(np.ones(6, np.float32), "bias"),
+         numpy_helper.from_array(np.array([3, 7], np.int64), "sizes"),
+         numpy_helper.from_array(np.array([1], np.int64), "axes")], extra_opsets=[ms])
+    session = Session(model, device="cpu", numerics=None)
+    names = ["p", "g", "bg", "gg", "cat", "lengths", "s0", "s1", "r", "out"]
+    rng = np.random.default_rng(0)
+    got = session.run({"a": rng.standard_normal((3, 4, 5), np.float32),
+                       "b": rng.standard_normal((4, 3, 6), np.float32)}, names)
+    types = complete_types(session._ordered, model, infer_types(model),
+                           session._memory._constant)
+    for name in names:
+        assert types[name][1] == list(got[name].shape), name
+    assert memory  # the guard module is the one Session uses
+
+
+# ---- item 10 --------------------------------------------------------------------------
+MLP = os.path.join(ROOT, "tests", "fixtures", "mlp.onnx")  # x [4, 64] -> 10 logits
+
+
+def _write_bomb_npz(path, extra_elements: int, big: str = "unused") -> None:
+    """The MLP's x and labels, plus ``big``: ``extra_elements`` float32 zeros (compressed
+    to almost nothing); by default named 'unused', which the graph never reads."""
+    import zipfile
+
+    rng = np.random.default_rng(1)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as archive:
+        for name, array in (("x", rng.standard_normal((40, 64)).astype(np.float32)),
+                            ("labels", rng.integers(0, 10, 40).astype(np.int64))):
+            if name != big:
+                with archive.open(f"{name}.npy", "w") as f:
+                    np.lib.format.write_array(f, array)
+        with archive.open(f"{big}.npy", "w", force_zip64=True) as f:
+            np.lib.format.write_array_header_1_0(
+                f, {"descr": "<f4", "fortran_order": False, "shape": (extra_elements,)})
+            chunk = bytes(1 << 24)
+            for _ in range(extra_elements * 4 // len(chunk)):
+                f.write(chunk)
+
+
+def test_item10_data_npz_reads_only_the_arrays_the_graph_needs(tmp_path):
+    data = tmp_path / "bomb.npz"
+    _write_bomb_npz(data, 1 << 26)  # 256 MiB of zeros, about 1 MB compressed
+    assert os.path.getsize(data) < 4 << 20
+    result = _peak_rss_mib(f"""
+import json
+from graphopt.cli import main
+RESULT = {{}}
+RESULT["code"] = main(["run", {MLP!r}, "--data", {str(data)!r}, "--loss", "cross_entropy",
+                       "--batch-size", "4", "--steps", "2", "-o", {str(tmp_path / "t.onnx")!r}],
+                      standalone_mode=False)
+""")
+    assert result["code"] in (0, None), result
+    assert os.path.exists(tmp_path / "t.onnx")
+    assert result["peak_mib"] < 200, result
+
+
+def test_item10_array_sizes_are_checked_against_the_limit_before_decompressing(tmp_path):
+    from graphopt.executor.train.data import load_npz
+
+    np.savez(tmp_path / "plain.npz", x=np.ones((40, 64), np.float32),
+             labels=np.zeros(40, np.int64))
+    arrays = load_npz(str(tmp_path / "plain.npz"))
+    assert isinstance(arrays["x"], np.memmap)  # uncompressed: mapped, not read
+    np.testing.assert_array_equal(arrays["labels"], np.zeros(40, np.int64))
+    bad = tmp_path / "big_x.npz"
+    _write_bomb_npz(bad, 1 << 24, big="x")  # the graph's own input declares 64 MiB
+    env = dict(os.environ, PYTHONPATH=ROOT, GRAPHOPT_MEMORY_LIMIT="16M")
+    done = subprocess.run([sys.executable, "-m", "graphopt", "run", MLP, "--data", str(bad),
+                           "--loss", "cross_entropy", "--batch-size", "4", "--steps", "1",
+                           "-o", str(tmp_path / "t.onnx")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "array 'x' (16777216,) float32 needs 0.1 GiB, more than the " \
+        "0.0 GiB available" in lines[0], done.stderr
