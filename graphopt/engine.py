@@ -571,8 +571,9 @@ def _infer(graph: Graph, node: onnx.NodeProto, opset: int) -> None:
         schema = onnx.defs.get_schema(node.op_type, opset, STANDARD_DOMAIN)
     except onnx.defs.SchemaError:
         raise RewriteRejected(f"{node.op_type} does not exist at opset {opset}") from None
-    graph.verify_declared()  # known input types are inferred ones, not declarations
     inputs = list(node.input)
+    # the types compared and propagated are inferred ones, not declarations
+    graph.verify_declared([*inputs, *node.output])
     known = {}
     for name in inputs:
         if name and name in graph.types:

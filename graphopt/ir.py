@@ -454,12 +454,20 @@ class Graph:
             return self.elem_type(tensor, infer=False)
         return None
 
-    def verify_declared(self) -> None:
-        """Replace the declared (value_info, output) types by the ones inference from the
-        graph's inputs gives; a declared shape inference cannot confirm is dropped."""
-        if not self._declared:
+    def verify_declared(self, names: Iterable[str] | None = None) -> None:
+        """Replace the declared (value_info, output) types of ``names`` (default: all) by
+        the ones inference from the graph's inputs gives; a declared shape inference cannot
+        confirm is dropped. The first call runs whole-model inference, so it is made only
+        for a name a rule or a rewrite asks about."""
+        if names is None:
+            declared, self._declared = self._declared, set()
+        else:
+            declared = [n for n in names if n in self._declared]
+            if not declared:
+                return
+            self._declared.difference_update(declared)
+        if not declared:
             return
-        declared, self._declared = self._declared, set()
         found = self.model.inferred_types()
         for name in declared:
             tp = found.get(name)
@@ -474,8 +482,8 @@ class Graph:
     def static_shape(self, tensor: str, infer: bool = True) -> list[int | None] | None:
         """Shape with None for unknown dims, or None when even the rank is unknown: from the
         graph's inputs, initializers and inference, never from a declaration alone."""
-        if self._declared:
-            self.verify_declared()
+        if tensor in self._declared:
+            self.verify_declared((tensor,))
         tp = self.types.get(tensor)
         if tp is not None and tp.tensor_type.HasField("shape"):
             return [d.dim_value if d.HasField("dim_value") else None
