@@ -170,9 +170,8 @@ def infer_types(model: onnx.ModelProto,
 
 
 def _type_proto(t) -> onnx.TypeProto:
-    elem, dims = t
-    return onnx.helper.make_tensor_type_proto(elem, [d if d is not None else None
-                                                     for d in dims])
+    elem, dims = t  # dims: int, symbol (str) or None (unknown), as make_tensor_type_proto takes
+    return onnx.helper.make_tensor_type_proto(elem, list(dims))
 
 
 def complete_types(nodes, model: onnx.ModelProto, types: dict, constant) -> dict:
