@@ -152,7 +152,8 @@ def test_item13_second_yieldop_inside_if_branch_is_refused(tmp_path):
                               env=dict(os.environ, PYTHONPATH=ROOT))
         assert done.returncode != 0, (command, done.stdout, done.stderr)
         lines = done.stderr.strip().splitlines()
-        assert len(lines) == 1 and "YieldOp" in lines[0], (command, done.stderr)
+        assert len(lines) == 1 and "1 inside an If/Loop/Scan body" in lines[0], \
+            (command, done.stderr)
 
 
 # ---- item 11 --------------------------------------------------------------------------
