@@ -19,6 +19,10 @@ output path).
 
 Expected of graphopt for every case: exit code 1, one line on stderr starting with
 "graphopt: error:", no traceback, nothing written, nothing read outside the model's folder.
+A case whose manifest entry has ``accepts`` (e.g. ["optimize"]) is a trap for those commands
+instead: they must exit 0 and write a model that passes the full ONNX check (a few hundred
+bytes that would make a careless tool allocate gigabytes, declarations that lie, names
+that collide), with nothing else written and nothing read outside.
 """
 from __future__ import annotations
 
@@ -117,7 +121,8 @@ class Corpus:
     def add(self, name: str, what: str, data: bytes | onnx.ModelProto | None = None,
             escapes: bool = False, extra: dict[str, bytes] | None = None,
             output: str | None = None, args: dict[str, list[str]] | None = None,
-            commands: list[str] | None = None) -> str:
+            commands: list[str] | None = None,
+            accepts: tuple[str, ...] = ()) -> str:
         folder = self.folder(name)
         model_path = os.path.join(folder, "model.onnx")
         if isinstance(data, onnx.ModelProto):
@@ -134,6 +139,8 @@ class Corpus:
             case["output"] = output
         if args:
             case["args"] = args
+        if accepts:  # commands that must succeed (exit 0, a valid model written), not refuse
+            case["accepts"] = list(accepts)
         self.cases.append(case)
         return model_path
 
@@ -331,6 +338,7 @@ def make(root: str, truncations: int = 24) -> Corpus:
     os.symlink("nowhere.onnx", path)
     corpus.add("missing_file", "model.onnx does not exist")
     _training_state_cases(corpus)
+    add_memory_and_result_traps(corpus)
     corpus.write_manifest()
     return corpus
 
@@ -398,6 +406,104 @@ def _training_state_cases(corpus: Corpus) -> None:
                             helper.make_node("ReduceSum", ["r"], ["y"], keepdims=0)],
                            inputs=_run_input(), outputs=scalar)
     corpus.add("run_nothing_to_train", "no initializer at all", nothing, commands=["run"])
+def add_memory_and_result_traps(corpus: Corpus) -> None:
+    """Issue 12, items 8-13: tiny models whose constants would fold to gigabytes, a
+    FusedMatMul whose output the memory guard must count, a second YieldOp hidden in an If
+    branch, an If branch reading a tensor a rewrite removes, a sparse initializer named like
+    a generated constant, and value_info that lies about the axis the Split fusion splits."""
+    f = TensorProto.FLOAT
+    scalar_out = [helper.make_tensor_value_info("s", f, [])]
+    one = numpy_helper.from_array(np.array([1.0], np.float32))
+
+    def ints(name, value):
+        return numpy_helper.from_array(np.array(value, np.int64), name)
+
+    def floats(name, value):
+        return numpy_helper.from_array(np.array(value, np.float32), name)
+
+    def folds_to(node, inits):  # node -> "big" -> ReduceSum -> s; no graph input
+        return _small_model([node, helper.make_node("ReduceSum", ["big"], ["s"], keepdims=0)],
+                            inits, inputs=[], outputs=scalar_out)
+
+    big = 1 << 29
+    for name, node, inits in (
+            ("fold_constant_of_shape_2gib", helper.make_node(
+                "ConstantOfShape", ["shape"], ["big"], value=one), [ints("shape", [big])]),
+            ("fold_range_2gib", helper.make_node("Range", ["a", "b", "c"], ["big"]),
+             [floats("a", 0.0), floats("b", float(big)), floats("c", 1.0)]),
+            ("fold_expand_2gib", helper.make_node("Expand", ["one", "shape"], ["big"]),
+             [floats("one", [1.0]), ints("shape", [big])]),
+            ("fold_tile_2gib", helper.make_node("Tile", ["one", "reps"], ["big"]),
+             [floats("one", [1.0]), ints("reps", [big])])):
+        corpus.add(name, f"{node.op_type} of tiny constants makes 2 GiB, then ReduceSum "
+                   "(optimize: left unfolded, in little memory)",
+                   folds_to(node, inits), accepts=("optimize",))
+
+    ms = helper.make_opsetid(MS, 1)
+    n = 1 << 17
+    corpus.add("fused_matmul_64gib_output", "FusedMatMul [2**17,1] x [1,2**17]: a 64 GiB "
+               "output the memory guard must count (run refuses before running)",
+               _small_model([helper.make_node("FusedMatMul", ["x", "W"], ["p"], domain=MS),
+                             helper.make_node("ReduceSum", ["p"], ["s"], keepdims=0)],
+                            [floats("W", np.ones((1, n)))], extra_opsets=[ms],
+                            inputs=[helper.make_tensor_value_info("x", f, [n, 1])],
+                            outputs=scalar_out), accepts=("optimize",))
+
+    def branch(tag, nodes, source):
+        return helper.make_graph(nodes + [helper.make_node("Identity", [source], [f"{tag}_o"])],
+                                 tag, [], [helper.make_tensor_value_info(f"{tag}_o", f, None)])
+
+    cond = helper.make_tensor_value_info("c", TensorProto.BOOL, [])
+    hidden = helper.make_node("YieldOp", ["loss"], ["hidden_grad"], domain=MS,
+                              name="hidden_yield", full_shape_outputs=[0])
+    corpus.add("yieldop_in_if_branch", "a training graph's YieldOp, and a second one inside "
+               "an If branch", _small_model(
+                   [helper.make_node("ReduceSum", ["x"], ["loss"], keepdims=0),
+                    helper.make_node("YieldOp", ["loss"], ["loss_grad"], domain=MS,
+                                     name="yield", full_shape_outputs=[0]),
+                    helper.make_node("If", ["c"], ["picked"],
+                                     then_branch=branch("then", [hidden], "loss"),
+                                     else_branch=branch("else", [], "loss")),
+                    helper.make_node("Identity", ["loss_grad"], ["y"])],
+                   extra_opsets=[ms], inputs=[helper.make_tensor_value_info("x", f, [2, 4]),
+                                              cond],
+                   outputs=[helper.make_tensor_value_info("picked", f, []),
+                            helper.make_tensor_value_info("y", f, [])]))
+
+    corpus.add("if_branch_reads_cancelled_transposes", "Transpose(Transpose(x)) cancels out "
+               "and an If branch reads its result from the outer scope", _small_model(
+                   [helper.make_node("Transpose", ["x"], ["t1"], perm=[1, 0]),
+                    helper.make_node("Transpose", ["t1"], ["t2"], perm=[1, 0]),
+                    helper.make_node("If", ["c"], ["y"], then_branch=branch("then", [], "t2"),
+                                     else_branch=branch("else", [], "t2"))],
+                   inputs=[helper.make_tensor_value_info("x", f, [2, 4]), cond]),
+               accepts=("optimize",))
+
+    sliced = _small_model(
+        [helper.make_node("Relu", ["x"], ["r"]),
+         helper.make_node("Slice", ["r", "s0", "e0", "ax"], ["a"]),
+         helper.make_node("Slice", ["r", "s1", "e1", "ax"], ["b"])],
+        [ints("s0", [0]), ints("e0", [3]), ints("s1", [3]), ints("e1", [6]), ints("ax", [1])],
+        inputs=[helper.make_tensor_value_info("x", f, ["B", 6, 4])],
+        outputs=[helper.make_tensor_value_info("a", f, ["B", 3, 4]),
+                 helper.make_tensor_value_info("b", f, ["B", 3, 4])])
+    sliced.graph.sparse_initializer.append(helper.make_sparse_tensor(
+        floats("split_sizes", [5.0]), ints("", [1]), [3]))
+    corpus.add("sparse_initializer_named_split_sizes", "a sparse initializer named like the "
+               "constant the Split fusion generates", sliced, accepts=("optimize",))
+
+    lying = _small_model(
+        [helper.make_node("Relu", ["x"], ["r"]),
+         helper.make_node("Gather", ["r", "i0"], ["first"], axis=1),
+         helper.make_node("Slice", ["r", "s", "e", "ax"], ["rest"])],
+        [ints("i0", 0), ints("s", [1]), ints("e", [6]), ints("ax", [1])],
+        inputs=[helper.make_tensor_value_info("x", f, ["B", "S", 4])],
+        outputs=[helper.make_tensor_value_info("first", f, ["B", 4]),
+                 helper.make_tensor_value_info("rest", f, ["B", None, 4])],
+        value_info=[helper.make_tensor_value_info("r", f, [2, 6, 4])])
+    corpus.add("value_info_lies_about_split_axis", "value_info says [2,6,4] for a [B,S,4] "
+               "tensor that a Gather and a Slice would tile only if S is 6", lying,
+               accepts=("optimize",))
 
 
 def main(argv: list[str]) -> int:
