@@ -406,6 +406,21 @@ def _training_state_cases(corpus: Corpus) -> None:
                             helper.make_node("ReduceSum", ["r"], ["y"], keepdims=0)],
                            inputs=_run_input(), outputs=scalar)
     corpus.add("run_nothing_to_train", "no initializer at all", nothing, commands=["run"])
+def _npz_bomb(name: str, elements: int) -> bytes:
+    """A compressed .npz whose one array's header declares ``elements`` float32 values
+    followed by a few KB of zeros: what it would decompress to, it says, not what it holds."""
+    import io
+    import zipfile
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        with archive.open(f"{name}.npy", "w", force_zip64=True) as f:
+            np.lib.format.write_array_header_1_0(
+                f, {"descr": "<f4", "fortran_order": False, "shape": (elements, 4)})
+            f.write(bytes(4096))
+    return buffer.getvalue()
+
+
 def add_memory_and_result_traps(corpus: Corpus) -> None:
     """Issue 12, items 8-13: tiny models whose constants would fold to gigabytes, a
     FusedMatMul whose output the memory guard must count, a second YieldOp hidden in an If
@@ -501,6 +516,10 @@ def add_memory_and_result_traps(corpus: Corpus) -> None:
         outputs=[helper.make_tensor_value_info("first", f, ["B", 4]),
                  helper.make_tensor_value_info("rest", f, ["B", None, 4])],
         value_info=[helper.make_tensor_value_info("r", f, [2, 6, 4])])
+    corpus.add("data_npz_declares_4tib", "--data archive whose array x declares 2**40 float32 "
+               "(4 TiB) in a few bytes: run refuses from the header, before decompressing",
+               _small_model(), extra={"bomb.npz": _npz_bomb("x", 1 << 40)},
+               args={"run": ["--data", "{CASE}/bomb.npz"]}, accepts=("optimize",))
     corpus.add("value_info_lies_about_split_axis", "value_info says [2,6,4] for a [B,S,4] "
                "tensor that a Gather and a Slice would tile only if S is 6", lying,
                accepts=("optimize",))
