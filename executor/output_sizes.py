@@ -223,3 +223,27 @@ def _sce_internal(attrs, xs, value):
     else:
         loss = _elem(scores, [])
     return [loss, scores]
+
+
+@estimate("ATen", domain="org.pytorch.aten")
+def _aten(attrs, xs, value):
+    """The ATen operators whose output is as large as their inputs or larger; the rest
+    (argmax, max, min and their backward) reduce or scatter into a known input's size."""
+    operator = attrs.get("operator")
+    if operator == "embedding":
+        weight, indices = xs[0], xs[1]
+        if weight is None or indices is None:
+            return [None]
+        return [(weight[0], list(indices[1]) + list(weight[1][1:]))]
+    if operator == "embedding_backward":
+        grad, rows = xs[0], value(2)
+        if grad is None or rows is None:
+            return [None]
+        return [(grad[0], [int(np.asarray(rows).reshape(()))] + list(grad[1][-1:]))]
+    if operator == "numpy_T":
+        return [None if xs[0] is None else (xs[0][0], list(reversed(xs[0][1])))]
+    if operator == "bitwise_or":
+        return [_broadcast(xs[0], xs[1])]
+    if operator == "value_selecting_reduction_backward":
+        return [None if xs[0] is None else _shape_from(value(3), xs[0])]
+    return [None, None]  # argmax/max/min: no larger than their input
