@@ -75,6 +75,22 @@ class NpzArrays(Mapping):
             self._loaded[name] = array
         return array
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """An array's shape from its .npy header, without reading its data."""
+        array = self._loaded.get(name)
+        if array is not None:
+            return tuple(array.shape)
+        try:
+            with zipfile.ZipFile(self.path) as archive, archive.open(self._members[name]) as f:
+                version = np.lib.format.read_magic(f)
+                header = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
+                          else np.lib.format.read_array_header_2_0(f))
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise GraphoptError(f"--data {self.path}: not a readable .npz file (array "
+                                f"{name!r}: {reason})") from None
+        return tuple(header[0])
+
     def _read(self, name: str, info: zipfile.ZipInfo) -> np.ndarray:
         with zipfile.ZipFile(self.path) as archive, archive.open(info) as stream:
             version = np.lib.format.read_magic(stream)
@@ -111,6 +127,13 @@ class NpzArrays(Mapping):
                       + header_length)
         return np.memmap(self.path, dtype=dtype, mode="r", offset=offset, shape=tuple(shape),
                          order="F" if fortran else "C")
+
+
+def array_shapes(arrays: Mapping) -> dict[str, tuple[int, ...]]:
+    """Every array's shape; an NpzArrays answers from the headers, reading no data."""
+    if isinstance(arrays, NpzArrays):
+        return {name: arrays.shape(name) for name in arrays}
+    return {name: np.shape(value) for name, value in arrays.items()}
 
 
 class Batches:

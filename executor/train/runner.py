@@ -21,7 +21,7 @@ from graphopt.executor.session import value_type
 
 from . import checkpoint as ckpt
 from . import distributed
-from .data import Batches, load_npz
+from .data import Batches, array_shapes, load_npz
 from .export import plot_format, plot_losses, require_matplotlib, save_model, trained_model
 from .loop import LoopSettings, NonFiniteError, Trainer, TrainResult
 from .loss_scaling import parse_loss_scale
@@ -277,7 +277,7 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
 
     graph = build(forward, loss=loss, labels=labels, freeze=opts.freeze, train=opts.train,
                   level=opts.level, precision=precision, disable=opts.disable,
-                  label_shapes={k: np.shape(v) for k, v in arrays.items()},
+                  label_shapes=array_shapes(arrays),
                   ignore_index=-100 if opts.ignore_index is None else opts.ignore_index)
     for title, report in graph.reports:
         say(f"== {title}")
@@ -472,7 +472,7 @@ def _eval_batches(opts: RunOptions, graph: TrainingGraph, batch_size: int, input
     if opts.eval_every is not None and opts.eval_every < 1:
         raise GraphoptError(f"--eval-every must be >= 1, not {opts.eval_every}")
     arrays = load_npz(opts.eval_data)
-    lengths = [np.shape(a)[0] for a in arrays.values() if np.ndim(a)]
+    lengths = [shape[0] for shape in array_shapes(arrays).values() if shape]
     size = min(lengths) if lengths else 0
     try:
         held_out = Batches(arrays, graph.data_inputs, min(batch_size, max(size, 1)), opts.seed,
