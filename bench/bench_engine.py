@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 import onnx
-from _common import MIN_RUNS, interleaved_medians, machine, write_section
+from _common import MIN_RUNS, command_line, interleaved_medians, machine, write_section
 from onnx import TensorProto, helper, numpy_helper
 
 import graphopt
@@ -200,7 +200,7 @@ def main(argv=None) -> int:
               "file, in one process): medians.",
               f"Machine: {machine()}; onnx {onnx.__version__}, onnxscript "
               f"{_version('onnxscript')}.",
-              "Command: `python bench/bench_engine.py`"]
+              f"Command: `{command_line('bench_engine.py', None)}`"]
     table = "\n".join(lines)
     print(table)
     if not args.no_write:
