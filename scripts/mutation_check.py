@@ -392,6 +392,15 @@ def run_tests(tree: str, tests, timeout: float, verbose: bool) -> tuple[str, flo
     return {0: "pass", 1: "fail", 2: "fail"}.get(done.returncode, "error"), seconds
 
 
+def load_mutants(path: str) -> list[Mutant]:
+    """The MUTANTS list of another file (e.g. an outside reviewer's), which builds its entries
+    with this module's ``Mutant`` / ``m``."""
+    import runpy
+    sys.modules.setdefault("mutation_check", sys.modules[__name__])
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    return list(runpy.run_path(path)["MUTANTS"])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--area", action="append", help="only these areas (repeatable)")
@@ -401,9 +410,12 @@ def main(argv=None) -> int:
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the unmutated run of the selected tests")
     parser.add_argument("-v", "--verbose", action="store_true", help="show pytest's output")
+    parser.add_argument("--mutants", metavar="FILE",
+                        help="a Python file whose MUTANTS list replaces the built-in one")
     args = parser.parse_args(argv)
 
-    chosen = [mu for mu in MUTANTS if (not args.area or mu.area in args.area)
+    mutants = load_mutants(args.mutants) if args.mutants else MUTANTS
+    chosen = [mu for mu in mutants if (not args.area or mu.area in args.area)
               and (not args.id or mu.id in args.id)]
     if args.list:
         for mu in chosen:
