@@ -34,7 +34,8 @@ MUTANTS = [
     m("strtoull_leading_zero_is_decimal", "numerics", PARSE,
       "            base = 8\n", "            base = 10\n", *T_PARSE),
     m("atoi_negative_clamp_one_short", "numerics", PARSE,
-      "-min(magnitude, _LONG_MAX + 1)", "-min(magnitude, _LONG_MAX)", *T_PARSE),
+      "-min(magnitude, _LONG_MAX + 1)", "-min(magnitude, _LONG_MAX)", *T_PARSE,
+      "tests/numerics/test_env_warnings.py"),
     m("miopen_conv_fwd_any_nonzero", "numerics", POLICY,
       '"fwd": ALTERNATE if value == 1 else ORIGINAL',
       '"fwd": ALTERNATE if value != 0 else ORIGINAL', *T_ENVPOL),
@@ -52,7 +53,7 @@ MUTANTS = [
       "and any(graph.attr(r, attr.name) is not None for r in roots[1:])]", *T_ENGINE),
     m("pass_with_one_change_not_validated", "marking_engine", ENGINE,
       "if changes and self.validate_each:", "if changes > 1 and self.validate_each:",
-      *T_ENGINE),
+      *T_ENGINE, "tests/ir/test_rollback.py"),
     # -- rules ------------------------------------------------------------------------------
     m("split_gather_index_off_by_one", "rules", SPLIT,
       "if not 0 <= index < dim:", "if not 0 <= index <= dim:", *T_SPLIT),
@@ -79,12 +80,15 @@ MUTANTS = [
       "param -= self.lr * buf", "param -= self.lr * grad", *T_OPT),
     m("scaler_grows_one_step_late", "train", SCALE,
       "if self.good_steps >= self.interval:", "if self.good_steps > self.interval:", *T_SCALE),
-    m("resume_allows_another_lr", "train", OPT,
-      'if key != "steps" and scalars.get(key) != mine[key]:',
-      'if key not in ("steps", "lr") and scalars.get(key) != mine[key]:', *T_CKPT),
-    m("checkpoint_slot_shape_unchecked", "train", CKPT,
-      "if value.dtype != np.float32 or value.shape != params[param].shape:",
-      "if value.dtype != np.float32:", *T_CKPT),
+    # (replaces resume_allows_another_lr, equivalent at every entry point: --resume compares
+    # the run's options with the checkpoint's, --lr included, before the optimizer loads)
+    m("adamw_decay_not_scaled_by_lr", "train", OPT,
+      "param *= 1.0 - self.lr * self.weight_decay", "param *= 1.0 - self.weight_decay", *T_OPT),
+    # (replaces checkpoint_slot_shape_unchecked, equivalent: Optimizer.check_arrays checks
+    # the same shapes on every resume path before any of them is used)
+    m("checkpoint_longer_history_accepted", "train", CKPT,
+      "if not isinstance(history, list) or len(history) != step:",
+      "if not isinstance(history, list) or len(history) < step:", *T_CKPT),
     # -- CLI exit codes ---------------------------------------------------------------------
     m("out_of_memory_traceback", "cli", "cli.py",
       'click.echo("graphopt: error: out of memory", err=True)\n            sys.exit(1)',
