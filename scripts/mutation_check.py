@@ -13,6 +13,7 @@ Not part of CI (it runs the relevant tests once per mutant):
     python scripts/mutation_check.py --area optimizers --area cli
     python scripts/mutation_check.py --id adamw_bias1_one_step_ahead -v
     python scripts/mutation_check.py --list
+    python scripts/mutation_check.py --mutants scripts/mutants_outside_review.py  # another list
 
 A mutant whose text is no longer in the file (the code moved on) is reported as STALE, not
 as killed: update its ``old`` text. Before the mutants run, the union of their test files
