@@ -46,3 +46,26 @@ def test_a_rewrite_breaking_the_model_is_rolled_back_and_reported():
     assert stats.rewrites == 0 and stats.rollbacks == 1
     assert any("replayed with a check after every rewrite" in w for w in report.warnings)
     onnx.checker.check_model(out, full_check=True)
+
+
+def test_a_pass_whose_only_change_breaks_the_model_is_rolled_back():
+    """Checking after every change covers a pass that changed one thing, not only several."""
+    from graphopt import modelio
+    from graphopt.dsl import Pass
+    from graphopt.engine import Engine
+    from graphopt.report import Report
+
+    def bypass_unsqueeze(graph, report):
+        # one journaled edit: Relu reads the Unsqueeze's input, so the declared [1, 2, 3]
+        # output no longer fits the [2, 3] it now computes
+        relu = graph.nodes_of_type("Relu")[0]
+        unsqueeze = graph.nodes_of_type("Unsqueeze")[0]
+        graph.replace_input(relu, 0, graph.node(unsqueeze).input[0])
+        return 1
+
+    model = modelio.load(MODEL)
+    report = Report()
+    Engine([Pass(name="test_bypass", description="bypass", run=bypass_unsqueeze)],
+           validate_each=True).run(model, report)
+    assert report.rules["test_bypass"].rollbacks == 1
+    onnx.checker.check_model(model.flush(), full_check=True)

@@ -311,7 +311,20 @@ SILENT_EDITS = {
     "epoch that is not the step's": (_set("data", "epoch", 7), None),
     "history record of another step": (lambda m: m["history"][1].update(step=9), None),
     "skipped step without a reason": (lambda m: m["history"][2].update(applied=False), None),
+    "history longer than its step": (lambda m: _append_skipped_record(m), None),
 }
+
+
+def _append_skipped_record(meta):
+    """One more history record than steps, made consistent with every other count (a skipped
+    step: no optimizer update, the scaler's skipped count raised), so only the history's
+    length against the step gives it away."""
+    history = meta["history"]
+    per_epoch = meta["data"]["size"] // meta["data"]["batch_size"]
+    index = len(history)
+    history.append(dict(history[-1], step=index + 1, epoch=index // per_epoch, applied=False,
+                        nonfinite="gradients", skipped=history[-1]["skipped"] + 1))
+    meta["scaler"]["skipped"] += 1
 
 
 @pytest.mark.parametrize("edit", list(SILENT_EDITS))
