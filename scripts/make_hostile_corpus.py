@@ -385,15 +385,13 @@ def _training_state_cases(corpus: Corpus) -> None:
                "external data at 'c\\0.bin'", _function_constant_model("c\0.bin"))
     # valid models `run` cannot train: one line each, never a traceback or two lines
     scalar = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])]
-    cumsum = _small_model([helper.make_node("MatMul", ["x", "W"], ["h"]),
-                           helper.make_node("CumSum", ["x", "axis"], ["c"],
-                                            name="running_total"),
+    shrink = _small_model([helper.make_node("MatMul", ["x", "W"], ["h"]),
+                           helper.make_node("Shrink", ["x"], ["c"], name="running_total"),
                            helper.make_node("Mul", ["h", "c"], ["p"]),
                            helper.make_node("ReduceSum", ["p"], ["y"], keepdims=0)],
-                          inits=[numpy_helper.from_array(np.ones((4, 4), np.float32), "W"),
-                                 numpy_helper.from_array(np.array(1, np.int64), "axis")],
+                          inits=[numpy_helper.from_array(np.ones((4, 4), np.float32), "W")],
                           inputs=_run_input(), outputs=scalar)
-    corpus.add("run_unsupported_op", "CumSum on the data path: no executor kernel", cumsum,
+    corpus.add("run_unsupported_op", "Shrink on the data path: no executor kernel", shrink,
                commands=["run"])
     integer = _small_model([helper.make_node("MatMul", ["x", "W"], ["h"]),
                             helper.make_node("ReduceSum", ["h"], ["s"], keepdims=0),
