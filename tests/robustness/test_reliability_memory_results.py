@@ -29,10 +29,12 @@ def _model(nodes, inputs, outputs, inits=(), opset=17, value_info=(), extra_opse
 
 def _peak_rss_mib(script: str, timeout: int = 300) -> dict:
     """Run ``script`` in a fresh interpreter; it prints a JSON object, to which the child's
-    own peak RSS (MiB, from getrusage) is added."""
+    own peak RSS (MiB) is added. VmHWM, not getrusage: Linux carries ru_maxrss across exec, so
+    a child forked from a large pytest process would report the parent's size."""
     wrapped = script + textwrap.dedent("""
-        import resource as _resource
-        RESULT["peak_mib"] = _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss / 1024
+        with open("/proc/self/status") as _status:
+            _hwm = next(line for line in _status if line.startswith("VmHWM:"))
+        RESULT["peak_mib"] = int(_hwm.split()[1]) / 1024
         print(json.dumps(RESULT))
     """)
     env = dict(os.environ, PYTHONPATH=ROOT, GRAPHOPT_MEMORY_LIMIT="off")
