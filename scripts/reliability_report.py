@@ -83,7 +83,7 @@ def hostile_inputs():
         handled, failed = 0, []
         for name, result in results.items():
             try:
-                hostile._check(result, hostile.CASES[name])
+                hostile._check(result, hostile.CASES[name], command)
                 handled += 1
             except AssertionError as exc:
                 failed.append((name, name in known, str(exc).splitlines()[0][:160]))
