@@ -585,7 +585,7 @@ def remove_stale_temporaries(folder: str, stem: str | None = None) -> list[str]:
             continue
         if match:
             pid = int(match["pid"])
-            dead = (pid != os.getpid() and not _alive(pid)) if match["host"] == me \
+            dead = (pid != os.getpid() and not process_alive(pid)) if match["host"] == me \
                 else age > STALE_SECONDS
         else:
             dead = bool(legacy and legacy.match(name)) and age > LEGACY_STALE_SECONDS
@@ -596,7 +596,8 @@ def remove_stale_temporaries(folder: str, stem: str | None = None) -> list[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process of this host with that pid exists (it may belong to another user)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

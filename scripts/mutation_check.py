@@ -327,7 +327,7 @@ MUTANTS: list[Mutant] = [
       "            f.flush()\n            os.fsync(f.fileno())\n", "            f.flush()\n",
       *T_CKPT),
     m("stale_temp_cleanup_removes_live_writers", "checkpoints", CKPT,
-      " and not _alive(int(pid)):", ":", *T_CKPT),
+      " and not process_alive(int(pid)):", ":", *T_CKPT),
     m("stale_temp_cleanup_never_runs", "checkpoints", CKPT,
       "    _remove_stale_temporaries(directory)\n    return target",
       "    return target", *T_CKPT),

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from graphopt.errors import GraphoptError
-from graphopt.modelio import file_mode_for
+from graphopt.modelio import file_mode_for, process_alive
 
 FILENAME = "checkpoint.npz"
 FORMAT = 1
@@ -252,7 +252,7 @@ def _owner_alive(owner: dict) -> bool:
         return False   # nobody (an empty or damaged file): free
     if host != socket.gethostname():
         return True    # cannot tell from here: respect it
-    return pid != os.getpid() and _alive(pid)
+    return pid != os.getpid() and process_alive(pid)
 
 
 def _describe_owner(owner: dict) -> str:
@@ -270,18 +270,11 @@ def _remove_stale_temporaries(directory: str) -> None:
             if not (name.startswith(mine) and name.endswith(TEMP_SUFFIX)):
                 continue
             pid = name[len(mine):].split("-", 1)[0]
-            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(directory, name))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:   # exists, owned by someone else
-        return True
     return True
 
 
