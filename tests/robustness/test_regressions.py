@@ -178,3 +178,55 @@ def test_fixpoint_when_a_rewrite_frees_a_fan_out_tensor():
         check_optimize(model)
     except KnownBugHit as exc:
         raise AssertionError(str(exc)) from None
+
+
+def _piece_of_a_computed_chunk_model() -> onnx.ModelProto:
+    """Random graph failure_000 of the reliability report, reduced: ``y`` is chunked in three
+    along axis 1 by Slices whose bounds are computed from ``Shape(y)``, and the last piece is
+    cut whole along its axis 0 by a Slice and three Gathers. The chunk becomes a Split whose
+    sizes are folded only later."""
+    text = """
+    <ir_version: 8, opset_import: ["" : 17]>
+    chunked (float[4,3,5] x, float[5,5] w) => (float[4,1,5] a, float[4,1,5] b, float[1,5] c,
+                                              float[1,5] d, float[1,1,5] e, float[1,1,5] f) {
+        y = MatMul (x, w)
+        shape = Shape (y)
+        axis_index = Constant <value = int64 {-2}> ()
+        length = Gather (shape, axis_index)
+        three = Constant <value = int64 {3}> ()
+        size = Div (length, three)
+        zero = Constant <value = int64[1] {0}> ()
+        two = Constant <value = int64 {2}> ()
+        one_piece = Unsqueeze (size, zero)
+        twice = Mul (size, two)
+        two_pieces = Unsqueeze (twice, zero)
+        thrice = Mul (size, three)
+        three_pieces = Unsqueeze (thrice, zero)
+        axes = Constant <value = int64[1] {-2}> ()
+        a = Slice (y, zero, one_piece, axes)
+        b = Slice (y, one_piece, two_pieces, axes)
+        last = Slice (y, two_pieces, three_pieces, axes)
+        minus_two = Constant <value = int32 {-2}> ()
+        c = Gather (last, minus_two)
+        one = Constant <value = int64 {1}> ()
+        d = Gather <axis = -3> (last, one)
+        starts = Constant <value = int64[1] {0}> ()
+        ends = Constant <value = int64[1] {-3}> ()
+        first_axis = Constant <value = int64[1] {-3}> ()
+        e = Slice (last, starts, ends, first_axis)
+        index_three = Constant <value = int32[1] {3}> ()
+        f = Gather (last, index_three)
+    }
+    """
+    model = onnx.parser.parse_model(text)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def test_fixpoint_when_a_piece_of_a_split_gets_its_shape_only_after_folding():
+    # The Split made from the chunk had outputs typed [?,?,?] (its sizes were computed
+    # then); after folding, nothing re-inferred them, so the rule on the piece matched only
+    # when the result was optimized again.
+    model = _piece_of_a_computed_chunk_model()
+    once, report = check_optimize(model)
+    assert report.rules["gather_slice_to_split"].rewrites >= 2
