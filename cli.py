@@ -330,9 +330,9 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
     graphopt run model.onnx --data train.npz --loss cross_entropy --epochs 3 -o trained.onnx
     mpiexec -n 4 graphopt run --example mqa --distributed --batch-size 64
     """
-    from graphopt.executor.train import RunOptions
-    from graphopt.executor.train import run as run_training
-    from graphopt.executor.train.runner import list_params as print_params
+    from graphopt.trainer import RunOptions
+    from graphopt.trainer import run as run_training
+    from graphopt.trainer.runner import list_params as print_params
 
     options = RunOptions(
         model=model, example=example, data=data, loss=loss, labels=labels, steps=steps,

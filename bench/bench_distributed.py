@@ -5,7 +5,7 @@ and 512 GPUs. Writes its section of bench/RESULTS.md and prints a paragraph for 
     python bench/bench_distributed.py [--steps 30] [--ranks 1 2 4]
 
 Each point is a real ``mpiexec -n N`` job (the mpich wheel's) training the MQA model through
-``graphopt.executor.train.run`` with ``--distributed`` on CPU: weak scaling, a fixed batch
+``graphopt.trainer.run`` with ``--distributed`` on CPU: weak scaling, a fixed batch
 per rank (global batch = N x that). Rank 0 times the steps after a warm-up, how long it
 waited in collectives per step (the all-reduce time the backward pass did not hide), and a
 separate all-reduce of one buffer the size of all gradients (the pure communication cost).
@@ -35,7 +35,7 @@ CONFIGS = {  # name: (MqaConfig overrides, per-rank batch)
 
 # -- worker: one rank of one job ------------------------------------------------------------
 def worker(args) -> None:
-    from graphopt.executor.train import RunOptions, distributed, run
+    from graphopt.trainer import RunOptions, distributed, run
 
     comm = distributed.world(600)
     ranks = comm.size

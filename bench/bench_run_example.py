@@ -37,7 +37,7 @@ def _timed_run(tree: str) -> tuple[float, float]:
     env["PYTHONPATH"] = tree
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "graphopt", "run", "--example", "mqa"], cwd=tree,
+    subprocess.run([sys.executable, "-P", "-m", "graphopt", "run", "--example", "mqa"], cwd=tree,
                    env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)

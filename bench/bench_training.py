@@ -31,7 +31,7 @@ from _common import (
 
 from graphopt.examples.mqa import MqaConfig, build_mqa_model
 from graphopt.executor import Session
-from graphopt.executor.train import build
+from graphopt.trainer import build
 
 SECTION = "Training step: Split fusion (issue 6)"
 CONFIGS = [  # (label, model config, batch)

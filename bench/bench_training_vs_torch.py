@@ -52,7 +52,7 @@ def _batch(cfg: MqaConfig, batch: int):
 
 def graphopt_step(cfg: MqaConfig, batch: int):
     from graphopt.executor import Session
-    from graphopt.executor.train import build
+    from graphopt.trainer import build
 
     graph = build(build_mqa_model(cfg), loss="cross_entropy", labels="labels")
     session = Session(graph.proto, device="cpu")

@@ -1,4 +1,7 @@
 """Reference ONNX executor (inference and ONNX Runtime training graphs) on NumPy or CuPy."""
+from graphopt.layout import refuse_second_name
+
+refuse_second_name(__name__, "executor")
 
 from .errors import (
     CupyNotInstalledError,

@@ -7,6 +7,7 @@ stderr, exit code 130.
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -18,6 +19,17 @@ def main() -> None:
     previous = signal.signal(signal.SIGINT, lambda signum, frame: held_back.append(signum))
     try:
         from graphopt.cli import main as cli_main
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith("graphopt."):
+            raise
+        # `python -m graphopt` in a source checkout's root imports its graphopt/ folder,
+        # which holds only part of the package (setup.cfg maps the other folders in)
+        sys.stderr.write(
+            f"graphopt: error: {exc.name} is missing: this Python imported graphopt from the "
+            f"source folder {os.path.dirname(os.path.dirname(__file__))}, not from an "
+            "installed graphopt; install it (pip install .) and run the graphopt command, "
+            "or python -P -m graphopt\n")
+        sys.exit(1)
     finally:
         signal.signal(signal.SIGINT, previous)
     if held_back:

@@ -12,9 +12,9 @@ ENGINE = "graphopt/engine.py"
 SPLIT = "rules/gather_slice_to_split.py"
 SCALE_MM = "rules/matmul_scale_to_fused_matmul.py"
 ACT = "graphopt/training/gradients/activations.py"
-OPT = "executor/train/optimizers.py"
-SCALE = "executor/train/loss_scaling.py"
-CKPT = "executor/train/checkpoint.py"
+OPT = "trainer/optimizers.py"
+SCALE = "trainer/loss_scaling.py"
+CKPT = "trainer/checkpoint.py"
 
 T_PARSE = ("tests/numerics/test_c_parsing.py",)
 T_POLICY = ("tests/numerics/test_policy_table.py", "tests/numerics/test_rocblas_env.py")

@@ -5,10 +5,10 @@ Run: python scripts/mutation_check.py --mutants scripts/mutants_outside_review_2
 """
 from mutation_check import m
 
-SCHED = "executor/train/schedule.py"
-OPT = "executor/train/optimizers.py"
-SCALE = "executor/train/loss_scaling.py"
-CKPT = "executor/train/checkpoint.py"
+SCHED = "trainer/schedule.py"
+OPT = "trainer/optimizers.py"
+SCALE = "trainer/loss_scaling.py"
+CKPT = "trainer/checkpoint.py"
 BITS = "executor/numerics/fp16_bits.py"
 POLICY = "executor/numerics/policy.py"
 PARSE = "executor/numerics/c_parsing.py"

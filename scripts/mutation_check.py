@@ -75,9 +75,9 @@ T_CKPT = ("tests/train/test_checkpoint_promises.py", "tests/train/test_resume.py
           "the_previous_one")
 T_CLI = ("tests/cli/test_exit_codes.py", "tests/cli/test_cli.py")
 
-OPT = "executor/train/optimizers.py"
-SCALE = "executor/train/loss_scaling.py"
-LOOP = "executor/train/loop.py"
+OPT = "trainer/optimizers.py"
+SCALE = "trainer/loss_scaling.py"
+LOOP = "trainer/loop.py"
 POLICY = "executor/numerics/policy.py"
 PARSE = "executor/numerics/c_parsing.py"
 GUARD = "executor/numerics/guard.py"
@@ -87,7 +87,7 @@ ENGINE = "graphopt/engine.py"
 IR = "graphopt/ir.py"
 SPLIT = "rules/gather_slice_to_split.py"
 FOLD = "rules/fold_constants.py"
-CKPT = "executor/train/checkpoint.py"
+CKPT = "trainer/checkpoint.py"
 CLI = "cli.py"
 MATH = "graphopt/training/gradients/math.py"
 ACT = "graphopt/training/gradients/activations.py"

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 from graphopt.executor.numerics import GEMM_ENV
-from graphopt.executor.train import RunOptions, run
+from graphopt.trainer import RunOptions, run
 
 RUNS = [  # label, precision, numerics, env value (None: unset), loss scale
     ("FP32", "fp32", "native", None, "none"),

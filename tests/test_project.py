@@ -42,7 +42,7 @@ def test_every_source_package_is_declared_in_setup_cfg():
 
 
 def test_wheel_installs_under_one_import_name(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+    result = subprocess.run([sys.executable, "-P", "-m", "pip", "wheel", "--no-deps",
                              "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
                             capture_output=True, text=True)
     if result.returncode != 0:
@@ -56,7 +56,7 @@ def test_wheel_installs_under_one_import_name(tmp_path):
     assert {t for t in tops if not t.endswith(".dist-info")} == {"graphopt"}
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"graphopt/cli.py", "graphopt/rules/gather_slice_to_split.py",
-            "graphopt/executor/session.py"} <= names
+            "graphopt/executor/session.py", "graphopt/trainer/loop.py"} <= names
 
 
 def test_readme_quick_start_is_two_commands_and_ci_runs_the_test_one():
@@ -82,3 +82,40 @@ def test_user_docs_name_no_machine_specific_paths():
     found = [f"{path.relative_to(ROOT)}: {match.group(0)}" for path in docs if path.exists()
              for match in re.finditer(r"(/work/|/home/|/root/|/Users/)\S*", path.read_text())]
     assert not found, found
+
+
+# What `python -m pytest` or a script at the repository root gets: the root on sys.path,
+# after the installed package.
+ONE_NAME_PROBE = """
+import sys
+sys.path.append({root!r})
+import graphopt.executor.registry, graphopt.rules, graphopt.trainer
+for folder in ("executor", "rules", "trainer"):
+    try:
+        __import__(folder)
+    except ImportError as exc:
+        assert f"graphopt.{{folder}}" in str(exc), exc
+        print("refused", folder)
+copies = [name for name, module in list(sys.modules.items())
+          if (getattr(module, "__file__", None) or "").endswith("registry.py")
+          and "executor" in module.__file__]
+print("registries", copies)
+"""
+
+
+def test_each_top_level_folder_is_imported_under_one_name_so_one_kernel_registry():
+    done = subprocess.run([sys.executable, "-P", "-c", ONE_NAME_PROBE.format(root=str(ROOT))],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["refused executor", "refused rules", "refused trainer",
+                                        "registries ['graphopt.executor.registry']"]
+
+
+def test_python_m_graphopt_in_the_source_root_is_one_error_line():
+    # the root's graphopt/ folder shadows the installed package and lacks the mapped folders
+    done = subprocess.run([sys.executable, "-m", "graphopt", "--version"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("graphopt: error: "), \
+        done.stderr
+    assert "python -P -m graphopt" in done.stderr

@@ -353,7 +353,7 @@ def test_enable_and_disable(tmp_path):
 
 # ---- a real process: no traceback, the right exit codes -------------------------------------
 def _cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "graphopt.cli", *map(str, args)], cwd=cwd,
+    return subprocess.run([sys.executable, "-P", "-m", "graphopt.cli", *map(str, args)], cwd=cwd,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -412,7 +412,7 @@ main()
 
 
 def test_interrupt_while_the_console_script_imports_exits_130(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", INTERRUPT_DURING_IMPORTS], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-P", "-c", INTERRUPT_DURING_IMPORTS], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 130
     assert proc.stderr.splitlines() == ["graphopt: interrupted; nothing was written"]
@@ -420,7 +420,7 @@ def test_interrupt_while_the_console_script_imports_exits_130(tmp_path):
 
 
 def test_python_dash_m_graphopt_is_the_command(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "graphopt", "--version"], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-P", "-m", "graphopt", "--version"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "graphopt, version" in proc.stdout
 
@@ -428,6 +428,6 @@ def test_python_dash_m_graphopt_is_the_command(tmp_path):
 def test_importing_the_package_is_cheap_so_the_console_script_can_guard_the_rest(tmp_path):
     code = ("import sys, graphopt, graphopt.console; "
             "print(sorted({'onnx', 'numpy'} & set(sys.modules)))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+    proc = subprocess.run([sys.executable, "-P", "-c", code], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120)
     assert proc.stdout.strip() == "[]", proc.stderr

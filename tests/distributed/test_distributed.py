@@ -18,10 +18,10 @@ from onnx import numpy_helper
 from train.helpers import mlp_data, write_npz  # tests/train/helpers.py (tests/ is on sys.path)
 
 from graphopt.errors import GraphoptError
-from graphopt.executor.train import RunOptions, run
-from graphopt.executor.train import checkpoint as ckpt
-from graphopt.executor.train.data import Batches
-from graphopt.executor.train.distributed import ShardedBatches, plan_buckets
+from graphopt.trainer import RunOptions, run
+from graphopt.trainer import checkpoint as ckpt
+from graphopt.trainer.data import Batches
+from graphopt.trainer.distributed import ShardedBatches, plan_buckets
 
 HERE = os.path.dirname(__file__)
 WORKER = os.path.join(HERE, "worker.py")
@@ -74,7 +74,7 @@ def read_weights(path):
 
 
 def cli(model, data, *args):
-    return ["-m", "graphopt.cli", "run", model, "--data", data, "--loss", "cross_entropy",
+    return ["-P", "-m", "graphopt.cli", "run", model, "--data", data, "--loss", "cross_entropy",
             "--batch-size", "8", "--seed", "4", "--device", "cpu", "--distributed",
             "--dist-check-every", "1", *args]
 
@@ -229,7 +229,7 @@ def test_nccl_transport_single_rank_allreduce():
     code = (
         "import cupy, numpy as np\n"
         "from graphopt.executor.backend import select_backend\n"
-        "from graphopt.executor.train import distributed as d\n"
+        "from graphopt.trainer import distributed as d\n"
         "comm = d.world(30)\n"
         "t = d.NcclTransport(comm, select_backend('auto'))\n"
         "b = t.buffer(6); t.stage(b, 0, cupy.arange(6, dtype=cupy.float16))\n"
@@ -237,7 +237,7 @@ def test_nccl_transport_single_rank_allreduce():
         "host, ok = t.finish(b, 2.0)\n"
         "assert ok and np.allclose(host, np.arange(6) / 2), host\n"
         "print('ok', t.name)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr
 
@@ -249,11 +249,11 @@ def test_gpu_job_without_usable_nccl_falls_back_to_mpi_and_says_why():
     code = (
         "import numpy as np\n"
         "from graphopt.executor.backend import ArrayBackend\n"
-        "from graphopt.executor.train import distributed as d\n"
+        "from graphopt.trainer import distributed as d\n"
         "comm = d.world(30)\n"
         "t = d.make_transport(comm, ArrayBackend('cuda', np))\n"
         "print(type(t).__name__, '|', t.name)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
     kind, name = done.stdout.strip().split(" | ")

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from graphopt.errors import GraphoptError
-from graphopt.executor.train import RunOptions, distributed, run
+from graphopt.trainer import RunOptions, distributed, run
 
 REDUCERS: list = []
 LAUNCHED = {"all": 0, "in_backward": 0}

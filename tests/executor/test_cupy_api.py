@@ -28,7 +28,7 @@ from graphopt.executor.kernels._scatter import scatter_rows
 from graphopt.executor.numerics.gpu_gemm import blas_matmul
 from graphopt.executor.onnx_backend import _as_array
 from graphopt.executor.registry import supported_op_types
-from graphopt.executor.train import RunOptions, run
+from graphopt.trainer import RunOptions, run
 from graphopt.training import build_training_graph
 
 from .cupy_api import RecordingXp, cupy_incompatibilities

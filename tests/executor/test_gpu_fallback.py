@@ -26,7 +26,7 @@ for line in said:
 
 
 def _probe():
-    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-P", "-c", PROBE], capture_output=True, text=True,
                           timeout=120, check=True)
     first, *messages = done.stdout.strip().splitlines()
     device, count = first.split()

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-CLI = [sys.executable, "-m", "graphopt.cli"]
+CLI = [sys.executable, "-P", "-m", "graphopt.cli"]
 
 
 def _model(seed: int) -> onnx.ModelProto:

@@ -34,7 +34,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 GRAPHOPT = os.path.join(os.path.dirname(sys.executable), "graphopt")
-CLI = [GRAPHOPT] if os.path.exists(GRAPHOPT) else [sys.executable, "-m", "graphopt.cli"]
+CLI = [GRAPHOPT] if os.path.exists(GRAPHOPT) else [sys.executable, "-P", "-m", "graphopt.cli"]
 
 
 def build_big_model(folder: str, blocks: int = 1500, big_weight_mb: int = 48) -> str:
@@ -255,7 +255,7 @@ def digest(path: str) -> str:
 RUN_WRAPPER = r"""
 import os, signal, sys
 mode, nth, cut = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-from graphopt.executor.train import checkpoint as ck
+from graphopt.trainer import checkpoint as ck
 calls = {"write": 0, "replace": 0}
 def die():
     os.kill(os.getpid(), signal.SIGKILL)
@@ -355,7 +355,7 @@ class RunKillRig:
         self.new_chain()
 
     def options(self, **overrides):
-        from graphopt.executor.train import RunOptions
+        from graphopt.trainer import RunOptions
 
         return RunOptions(model=self.model, data=self.data, steps=self.total, quiet=True,
                           **{**self.settings, **overrides})
@@ -370,8 +370,8 @@ class RunKillRig:
 
     def reference(self) -> None:
         """The uninterrupted run, in-process: its state after every step, its final weights."""
-        from graphopt.executor.train import checkpoint as ckpt
-        from graphopt.executor.train import run
+        from graphopt.trainer import checkpoint as ckpt
+        from graphopt.trainer import run
 
         folder = os.path.join(self.folder, "reference")
         seen: dict[int, str] = {}
@@ -396,7 +396,7 @@ class RunKillRig:
         self.last_step = 0
 
     def current_step(self) -> int | None:
-        from graphopt.executor.train import checkpoint as ckpt
+        from graphopt.trainer import checkpoint as ckpt
 
         if not os.path.exists(ckpt.path_in(self.checkpoints)):
             return None
@@ -413,7 +413,7 @@ class RunKillRig:
         """One interrupted run. ``how``: "at step" (from outside, at a random step and
         moment), "inside write", "before rename", "after rename" (SIGKILL from inside the
         process, during a random checkpoint write of this run)."""
-        from graphopt.executor.train import checkpoint as ckpt
+        from graphopt.trainer import checkpoint as ckpt
 
         start_step = self.current_step() or 0
         remaining = self.total - start_step
@@ -427,7 +427,7 @@ class RunKillRig:
                     "after rename": "after-rename"}[how]
             size = os.path.getsize(ckpt.path_in(self.checkpoints)) if resume else 50_000
             cut = rng.randint(1, size)
-            command = [sys.executable, "-c", RUN_WRAPPER, mode, str(n), str(cut), *argv]
+            command = [sys.executable, "-P", "-c", RUN_WRAPPER, mode, str(n), str(cut), *argv]
         before = self._log_lines()
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
@@ -458,7 +458,7 @@ class RunKillRig:
 
     def _check(self, result: RunKillResult, pid: int, stderr: str, start_step: int) -> None:
         from graphopt.errors import GraphoptError
-        from graphopt.executor.train import checkpoint as ckpt
+        from graphopt.trainer import checkpoint as ckpt
 
         code = result.returncode
         if code == 0:
@@ -508,8 +508,8 @@ class RunKillRig:
 
     def finish(self, kills: int) -> RunChainResult:
         """Resume in-process to the end; the weights must equal the uninterrupted run's."""
-        from graphopt.executor.train import checkpoint as ckpt
-        from graphopt.executor.train import run
+        from graphopt.trainer import checkpoint as ckpt
+        from graphopt.trainer import run
 
         resume = self.current_step() is not None
         outcome = run(self.options(checkpoint=self.checkpoints, checkpoint_every=1,

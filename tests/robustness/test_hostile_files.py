@@ -27,7 +27,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GRAPHOPT = os.path.join(os.path.dirname(sys.executable), "graphopt")
-CLI = [GRAPHOPT] if os.path.exists(GRAPHOPT) else [sys.executable, "-m", "graphopt.cli"]
+CLI = [GRAPHOPT] if os.path.exists(GRAPHOPT) else [sys.executable, "-P", "-m", "graphopt.cli"]
 OLD = 1_000_000_000  # 2001: an access time a read would move (relatime updates older ones)
 
 

@@ -25,7 +25,7 @@ import graphopt
 from graphopt import modelio
 from graphopt.cli import main
 
-CLI = [sys.executable, "-m", "graphopt.cli"]
+CLI = [sys.executable, "-P", "-m", "graphopt.cli"]
 FEEDS = {"x": np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)}
 
 
@@ -289,7 +289,7 @@ def test_item05_symlink_swapped_in_after_load_is_not_copied(tmp_path):
 
 
 def test_item05_run_trains_on_the_checked_file_not_a_swapped_one(tmp_path, monkeypatch):
-    from graphopt.executor.train import runner
+    from graphopt.trainer import runner
 
     src = mlp_external(tmp_path / "m")
     original = {t.name: numpy_helper.to_array(t) for t in onnx.load(src).graph.initializer}

@@ -37,8 +37,8 @@ def _peak_rss_mib(script: str, timeout: int = 300) -> dict:
         RESULT["peak_mib"] = int(_hwm.split()[1]) / 1024
         print(json.dumps(RESULT))
     """)
-    env = dict(os.environ, PYTHONPATH=ROOT, GRAPHOPT_MEMORY_LIMIT="off")
-    done = subprocess.run([sys.executable, "-c", wrapped], capture_output=True, text=True,
+    env = dict(os.environ, GRAPHOPT_MEMORY_LIMIT="off")
+    done = subprocess.run([sys.executable, "-P", "-c", wrapped], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -149,9 +149,8 @@ def test_item13_second_yieldop_inside_if_branch_is_refused(tmp_path):
     for command in (["optimize", str(path), "-o", str(tmp_path / "o.onnx")],
                     ["run", str(path), "--data", str(tmp_path / "d.npz"), "--steps", "1",
                      "-o", str(tmp_path / "t.onnx")]):
-        done = subprocess.run([sys.executable, "-m", "graphopt", *command], capture_output=True,
-                              text=True, timeout=120, cwd=ROOT,
-                              env=dict(os.environ, PYTHONPATH=ROOT))
+        done = subprocess.run([sys.executable, "-P", "-m", "graphopt", *command],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert done.returncode != 0, (command, done.stdout, done.stderr)
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and "1 inside an If/Loop/Scan body" in lines[0], \
@@ -192,9 +191,9 @@ def sparse_split_sizes_model() -> onnx.ModelProto:
 
 
 def _cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "graphopt", *map(str, args)],
+    return subprocess.run([sys.executable, "-P", "-m", "graphopt", *map(str, args)],
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env=dict(os.environ, PYTHONPATH=ROOT))
+                          env=dict(os.environ))
 
 
 def _same_results(original, optimized, feeds):
@@ -432,7 +431,7 @@ RESULT["code"] = main(["run", {MLP!r}, "--data", {str(data)!r}, "--loss", "cross
 
 
 def test_item10_array_sizes_are_checked_against_the_limit_before_decompressing(tmp_path):
-    from graphopt.executor.train.data import load_npz
+    from graphopt.trainer.data import load_npz
 
     np.savez(tmp_path / "plain.npz", x=np.ones((40, 64), np.float32),
              labels=np.zeros(40, np.int64))
@@ -441,8 +440,8 @@ def test_item10_array_sizes_are_checked_against_the_limit_before_decompressing(t
     np.testing.assert_array_equal(arrays["labels"], np.zeros(40, np.int64))
     bad = tmp_path / "big_x.npz"
     _write_bomb_npz(bad, 1 << 24, big="x")  # the graph's own input declares 64 MiB
-    env = dict(os.environ, PYTHONPATH=ROOT, GRAPHOPT_MEMORY_LIMIT="16M")
-    done = subprocess.run([sys.executable, "-m", "graphopt", "run", MLP, "--data", str(bad),
+    env = dict(os.environ, GRAPHOPT_MEMORY_LIMIT="16M")
+    done = subprocess.run([sys.executable, "-P", "-m", "graphopt", "run", MLP, "--data", str(bad),
                            "--loss", "cross_entropy", "--batch-size", "4", "--steps", "1",
                            "-o", str(tmp_path / "t.onnx")],
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)

@@ -23,8 +23,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.cli import main
 from graphopt.errors import GraphoptError
-from graphopt.executor.train import RunOptions, run
-from graphopt.executor.train import checkpoint as ckpt
+from graphopt.trainer import RunOptions, run
+from graphopt.trainer import checkpoint as ckpt
 
 from .killpoints import CLI
 
@@ -418,7 +418,7 @@ def test_item15_allow_changed_graph_needs_resume(mlp_data):
 # -- items 17 and 18: a second Ctrl-C, SIGTERM ------------------------------------------------
 def test_item17_a_second_ctrl_c_names_the_checkpoint_this_run_wrote(tmp_path, mlp_data,
                                                                      monkeypatch):
-    from graphopt.executor.train import loop
+    from graphopt.trainer import loop
 
     real_step = loop.Trainer.train_step
 
@@ -481,7 +481,7 @@ def test_item18_sigterm_outside_training_is_one_line_and_exit_143(tmp_path):
               "api.optimize_file = optimize_file\n"
               "from graphopt.cli import main\n"
               f"main(['optimize', {model!r}, '-o', {str(tmp_path / 'o.onnx')!r}])\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 143, (done.returncode, done.stderr[-500:])
     assert done.stderr == "graphopt: terminated; nothing was written\n"
@@ -543,7 +543,7 @@ def test_item19_without_flock_the_owner_pid_and_host_decide(tmp_path, monkeypatc
     folder = str(tmp_path / "ckpt")
     os.makedirs(folder)
     lock_file = os.path.join(folder, ckpt.LOCK_NAME)
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead = subprocess.Popen([sys.executable, "-P", "-c", "pass"])
     dead.wait()
     here = ckpt.socket.gethostname()
     for owner, refused in [({"pid": dead.pid, "host": here}, False),     # stale: taken over

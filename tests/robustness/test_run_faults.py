@@ -31,10 +31,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.cli import main
 from graphopt.errors import GraphoptError
-from graphopt.executor.train import RunOptions, run
-from graphopt.executor.train import checkpoint as ckpt
-from graphopt.executor.train.data import Batches
-from graphopt.executor.train.loop import NonFiniteError
+from graphopt.trainer import RunOptions, run
+from graphopt.trainer import checkpoint as ckpt
+from graphopt.trainer.data import Batches
+from graphopt.trainer.loop import NonFiniteError
 
 from .killpoints import CLI, RunKillRig, run_run_kill_points
 
@@ -265,7 +265,7 @@ def test_distributed_ranks_agree_to_stop_at_the_faulty_step(tmp_path):
 
 
 def test_disk_full_while_writing_the_step_log_is_one_line(tmp_path, monkeypatch):
-    from graphopt.executor.train import progress
+    from graphopt.trainer import progress
 
     rig = RunKillRig(str(tmp_path / "rig"), total_steps=4)
     real = progress.StepLog.write

@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from graphopt.executor.train import checkpoint as ckpt
+from graphopt.trainer import checkpoint as ckpt
 
 
 def _checkpoint(step: int = 3) -> ckpt.Checkpoint:

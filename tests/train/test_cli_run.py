@@ -12,7 +12,7 @@ import pytest
 
 from .helpers import MLP, mlp_data, write_npz
 
-GRAPHOPT = [sys.executable, "-m", "graphopt.cli"]
+GRAPHOPT = [sys.executable, "-P", "-m", "graphopt.cli"]
 
 
 def graphopt(*args, cwd=None):

@@ -9,8 +9,8 @@ import pytest
 from executor.cupy_api import RecordingXp  # tests/executor/cupy_api.py (tests/ is on sys.path)
 
 from graphopt.executor.backend import ArrayBackend
-from graphopt.executor.train import RunOptions, run
-from graphopt.executor.train.loop import Trainer
+from graphopt.trainer import RunOptions, run
+from graphopt.trainer.loop import Trainer
 
 from .helpers import MLP, mlp_data, write_npz
 

@@ -8,7 +8,7 @@ import pytest
 
 from graphopt.errors import GraphoptError
 from graphopt.executor import Session
-from graphopt.executor.train import RunOptions, run
+from graphopt.trainer import RunOptions, run
 
 from .helpers import MLP, mlp_data, write_npz
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from graphopt.executor.numerics import GEMM_ENV
-from graphopt.executor.train import RunOptions, run
+from graphopt.trainer import RunOptions, run
 
 STEPS = 60
 

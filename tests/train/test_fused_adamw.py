@@ -11,7 +11,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from graphopt.executor.train.optimizers import ADAMW_BODY, AdamW, array_module, to_host
+from graphopt.trainer.optimizers import ADAMW_BODY, AdamW, array_module, to_host
 
 HARNESS = r"""
 #include <math.h>
@@ -78,7 +78,7 @@ def test_state_is_host_arrays_and_the_module_is_numpy_on_the_host():
 def test_cupy_accepts_the_kernel_declaration():
     """CuPy parses an ElementwiseKernel's parameter lists when it is built (no GPU needed)."""
     cupy = pytest.importorskip("cupy", reason="CuPy not installed (no GPU needed for this)")
-    from graphopt.executor.train.optimizers import _adamw_kernel
+    from graphopt.trainer.optimizers import _adamw_kernel
 
     kernel = _adamw_kernel(cupy)
     assert kernel.nin == 9 and kernel.nout == 3

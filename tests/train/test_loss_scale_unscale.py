@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from graphopt.executor.train import RunOptions, run
-from graphopt.executor.train.loss_scaling import DynamicLossScaler
+from graphopt.trainer import RunOptions, run
+from graphopt.trainer.loss_scaling import DynamicLossScaler
 
 from .helpers import MLP, mlp_data, write_npz
 

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from graphopt.executor.train.runner import launched_ranks
+from graphopt.trainer.runner import launched_ranks
 
 from .helpers import MLP, mlp_data, write_npz
 
-RUN = [sys.executable, "-m", "graphopt.cli", "run"]
+RUN = [sys.executable, "-P", "-m", "graphopt.cli", "run"]
 
 
 @pytest.mark.parametrize("environ, expected", [

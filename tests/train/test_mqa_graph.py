@@ -7,7 +7,7 @@ import onnx
 import pytest
 
 from graphopt.examples import load_example
-from graphopt.executor.train import build
+from graphopt.trainer import build
 
 ATTR = "__backwardpass"
 

@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import pytest
 
-from graphopt.executor.train import RunOptions, run
+from graphopt.trainer import RunOptions, run
 
 from .helpers import MLP, mlp_data, write_npz
 

@@ -12,9 +12,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from graphopt.executor.train import RunOptions, run
-from graphopt.executor.train.data import Batches
-from graphopt.executor.train.optimizers import make_optimizer
+from graphopt.trainer import RunOptions, run
+from graphopt.trainer.data import Batches
+from graphopt.trainer.optimizers import make_optimizer
 
 from .helpers import FIXTURES, MLP, write_npz
 

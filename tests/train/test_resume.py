@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from graphopt.errors import GraphoptError
-from graphopt.executor.train import RunOptions, run
-from graphopt.executor.train import checkpoint as ckpt
+from graphopt.trainer import RunOptions, run
+from graphopt.trainer import checkpoint as ckpt
 
 from .helpers import MLP, mlp_data, write_npz
 

@@ -14,9 +14,9 @@ from click.testing import CliRunner
 from onnx import numpy_helper
 
 from graphopt.cli import main
-from graphopt.executor.train import RunOptions, run
-from graphopt.executor.train.export import smoothed
-from graphopt.executor.train.schedule import lr_factor
+from graphopt.trainer import RunOptions, run
+from graphopt.trainer.export import smoothed
+from graphopt.trainer.schedule import lr_factor
 
 from .helpers import MLP, mlp_data, write_npz
 

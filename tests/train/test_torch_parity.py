@@ -7,8 +7,8 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from graphopt.executor.train import RunOptions, run
-from graphopt.executor.train.data import Batches
+from graphopt.trainer import RunOptions, run
+from graphopt.trainer.data import Batches
 
 from .helpers import MLP, mlp_data, write_npz
 

@@ -7,10 +7,10 @@ import onnx
 import pytest
 
 from graphopt.errors import GraphoptError
-from graphopt.executor.train.data import Batches
-from graphopt.executor.train.loss_scaling import DynamicLossScaler, parse_loss_scale
-from graphopt.executor.train.optimizers import make_optimizer
-from graphopt.executor.train.precision import to_float16
+from graphopt.trainer.data import Batches
+from graphopt.trainer.loss_scaling import DynamicLossScaler, parse_loss_scale
+from graphopt.trainer.optimizers import make_optimizer
+from graphopt.trainer.precision import to_float16
 
 from .helpers import MLP
 

@@ -12,6 +12,10 @@ Modules:
   export          trained model (forward graph, new weights) and the loss plot
   runner          RunOptions -> the whole run (what the CLI calls)
 """
+from graphopt.layout import refuse_second_name
+
+refuse_second_name(__name__, "trainer")
+
 from .loop import Trainer, TrainResult
 from .runner import RunOptions, RunOutcome, run
 from .training_graph import TrainingGraph, build

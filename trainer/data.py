@@ -18,8 +18,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from graphopt.errors import GraphoptError
-
-from ..memory import available_bytes, gib
+from graphopt.executor.memory import available_bytes, gib
 
 
 def load_npz(path: str) -> NpzArrays:
