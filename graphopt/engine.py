@@ -50,13 +50,18 @@ class Engine:
     # ---- driver --------------------------------------------------------------------
     def run(self, model: Model, report: Report) -> None:
         levels = sorted({r.level for r in self.rules})
+        changed = 0
         for rule in self.rules:
             if not _opset_ok(rule, model):
                 report.gated[rule.name] = _opset_gate(rule, model)
-        for level in levels:
+        for i, level in enumerate(levels):
             rules = [r for r in self.rules if r.level == level and _opset_ok(r, model)]
+            if i and changed:
+                # the rules of this level see the facts a second optimize would see
+                model.refresh_types()
+            changed = 0
             for graph in list(model.graphs()):
-                self._run_level(model, graph, rules, report)
+                changed += self._run_level(model, graph, rules, report)
         # A pass states a graph-wide invariant (which nodes are backward, ...) that a later
         # level's rewrites can invalidate: passes of earlier levels get a last word.
         if len(levels) > 1:
@@ -66,27 +71,32 @@ class Engine:
                 for rule in passes:
                     self._run_pass(model, graph, rule, report)
 
-    def _run_level(self, model: Model, graph: Graph, rules, report: Report) -> None:
+    def _run_level(self, model: Model, graph: Graph, rules, report: Report) -> int:
+        """Passes and rules of one level until nothing changes; returns how many changes."""
         budget = self.max_rewrites or 4 * len(graph.nodes) + 1000
         passes = [r for r in rules if isinstance(r, Pass)]
         patterns = [r for r in rules if isinstance(r, Rule)]
+        changes = 0
         for round_ in range(8):
             pass_changes = sum(self._run_pass(model, graph, p, report) for p in passes)
-            # A rewrite's node whose inputs were computed when it was made got no output
-            # types; once a pass folds those inputs to constants, inference can give them,
-            # and a rule that needs them (a Split's pieces' shapes) can match next round.
-            typed = _refine_types(model, graph) if round_ else 0
+            changes += pass_changes
+            # A node a rewrite made from computed inputs got types with unknown dims; once a
+            # pass folds those inputs, inference knows more, and a rule that needs it (on a
+            # Split's pieces, their shapes) can match now instead of in a second optimize.
+            typed = model.refresh_types() if round_ else 0
             if round_ and not (pass_changes or typed):
-                return  # the pattern worklist already reached its fixpoint last round
+                return changes  # the pattern worklist reached its fixpoint last round
             # another round while anything changed: a pass's result can be another pass's
             # input (fold_shapes makes the constants fold_constants folds further)
             rewrites = self._run_patterns(model, graph, patterns, report, budget)
+            changes += rewrites
             if not passes or not (rewrites or pass_changes or typed):
-                return
+                return changes
             if round_ == 7:
                 report.warnings.append(
                     f"level {rules[0].level}: passes and rules still changing the graph after "
                     "8 rounds; stopped (the result is valid but may not be a fixpoint)")
+        return changes
 
     def _run_pass(self, model: Model, graph: Graph, rule: Pass, report: Report) -> int:
         stats = report.stats(rule)
@@ -569,47 +579,8 @@ class Rewriter:
 
 
 
-def _refine_types(model: Model, graph: Graph) -> int:
-    """Per-node inference, in graph order, for standard-domain nodes with an output whose
-    type is unknown or not fully static; a compatible inferred type that knows more
-    replaces it. Returns how many outputs it refined. Inference that fails leaves the
-    type as it was (the final whole-model check decides about the graph)."""
-    opset = model.opset(STANDARD_DOMAIN) or 1
-    refined = 0
-    for node_id in graph.sorted_ids():
-        if graph.op_keys[node_id][0] != STANDARD_DOMAIN:
-            continue
-        outputs = [t for t in graph.node_outputs[node_id] if t]
-        if all(_static_dims(graph.types.get(t)) is not None for t in outputs):
-            continue
-        try:
-            refined += _infer(graph, graph.node(node_id), opset, refine=True)
-        except RewriteRejected:
-            continue
-    return refined
-
-
-def _static_dims(tp: onnx.TypeProto | None) -> list[int] | None:
-    """The dims of a tensor type whose every dim is a number; None otherwise."""
-    if tp is None or not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
-        return None
-    dims = tp.tensor_type.shape.dim
-    if not all(d.HasField("dim_value") for d in dims):
-        return None
-    return [d.dim_value for d in dims]
-
-
-def _known_facts(tp: onnx.TypeProto) -> int:
-    """How much a tensor type says: its element type, its rank, each numeric dim."""
-    t = tp.tensor_type
-    return (bool(t.elem_type) + t.HasField("shape")
-            + sum(d.HasField("dim_value") for d in t.shape.dim))
-
-
-def _infer(graph: Graph, node: onnx.NodeProto, opset: int, refine: bool = False) -> int:
-    """Per-node ONNX inference with the input types we know; must agree with old types.
-    Types it finds for untyped outputs are set; with ``refine``, a type that knows more
-    than the old one also replaces it. Returns how many output types it set."""
+def _infer(graph: Graph, node: onnx.NodeProto, opset: int) -> None:
+    """Per-node ONNX inference with the input types we know; must agree with old types."""
     try:
         schema = onnx.defs.get_schema(node.op_type, opset, STANDARD_DOMAIN)
     except onnx.defs.SchemaError:
@@ -625,7 +596,7 @@ def _infer(graph: Graph, node: onnx.NodeProto, opset: int, refine: bool = False)
             elem = graph.elem_type(name)
             shape = graph.static_shape(name)
             if elem is None:
-                return 0  # partial knowledge: the final whole-model check decides
+                return  # partial knowledge: the final whole-model check decides
             known[name] = onnx.helper.make_tensor_type_proto(elem, shape)
     try:
         inferred = onnx.shape_inference.infer_node_outputs(
@@ -634,20 +605,13 @@ def _infer(graph: Graph, node: onnx.NodeProto, opset: int, refine: bool = False)
     except (onnx.shape_inference.InferenceError, RuntimeError) as exc:
         raise RewriteRejected(f"{node.op_type} '{node.name}': "
                               f"{str(exc).strip().splitlines()[0]}") from None
-    changed = 0
     for out, type_proto in inferred.items():
         old = graph.types.get(out)
         if old is None:
             graph.set_type(out, type_proto)
-            changed += 1
         elif not _compatible(old, type_proto):
             raise RewriteRejected(f"'{out}' would change type/shape from "
                                   f"{_type_str(old)} to {_type_str(type_proto)}")
-        elif refine and old.HasField("tensor_type") and type_proto.HasField("tensor_type") \
-                and _known_facts(type_proto) > _known_facts(old):
-            graph.set_type(out, type_proto)
-            changed += 1
-    return changed
 
 
 def _output_key(expr) -> tuple[int, int] | None:

@@ -237,6 +237,28 @@ def _restore_declarations(hidden: list) -> None:
             out.type.CopyFrom(tp)
 
 
+def _refines(old: onnx.TypeProto, new: onnx.TypeProto) -> bool:
+    """``new`` says everything ``old`` says about a tensor, and more (a rank, a number
+    where ``old`` had a symbol or nothing)."""
+    if not (old.HasField("tensor_type") and new.HasField("tensor_type")):
+        return False
+    a, b = old.tensor_type, new.tensor_type
+    if a.elem_type and a.elem_type != b.elem_type:
+        return False
+    if a.HasField("shape"):
+        if not b.HasField("shape") or len(a.shape.dim) != len(b.shape.dim):
+            return False
+        for x, y in zip(a.shape.dim, b.shape.dim, strict=True):
+            if x.HasField("dim_value") and not (y.HasField("dim_value")
+                                                and y.dim_value == x.dim_value):
+                return False
+
+    def facts(t):
+        return (bool(t.elem_type) + t.HasField("shape")
+                + sum(d.HasField("dim_value") for d in t.shape.dim))
+    return facts(b) > facts(a)
+
+
 def _collect_value_info(graph: onnx.GraphProto, found: dict) -> None:
     for vi in itertools.chain(graph.value_info, graph.output):
         if vi.type.HasField("tensor_type"):
@@ -660,6 +682,11 @@ class Graph:
     def add_initializer(self, tensor: onnx.TensorProto) -> None:
         self.initializers[tensor.name] = tensor
         self._log(self.initializers.pop, tensor.name)
+        # A folded tensor's type may have been inferred with unknown dims while it was
+        # computed; its value's type is exact.
+        exact = onnx.helper.make_tensor_type_proto(tensor.data_type, list(tensor.dims))
+        if self.types.get(tensor.name) != exact:
+            self.set_type(tensor.name, exact)
 
     def remove_initializer(self, name: str) -> None:
         tensor = self.initializers.pop(name)
@@ -833,6 +860,26 @@ class Model:
                 if name not in graph.types and (name in graph.producer or name in graph.consumers):
                     graph.types[name] = tp
         return True
+
+    def refresh_types(self) -> int:
+        """Whole-model inference again, on the graph as it is now: a type it finds for an
+        untyped tensor, or a compatible one that knows more (a fold can make a shape
+        computable), goes into the type tables. Returns how many types it added or refined.
+        The engine calls it after rounds and levels that changed the graph, so a rule sees
+        the facts it would see when the result is optimized again."""
+        self._found = None
+        self._inferred = True
+        found = self.inferred_types()
+        changed = 0
+        for graph in [self.graph, *self._subgraphs.values()]:
+            for name, tp in found.items():
+                if name not in graph.producer and name not in graph.consumers:
+                    continue
+                old = graph.types.get(name)
+                if old is None or _refines(old, tp):
+                    graph.types[name] = tp
+                    changed += 1
+        return changed
 
     def inferred_types(self) -> dict[str, onnx.TypeProto]:
         """name -> type from ONNX shape inference (with data propagation) on the graph's

