@@ -22,6 +22,7 @@ from .plan import Plan, PlannedNode, build_plan, decode_attributes, topological_
 from .registry import MS_DOMAIN, lookup, normalize_domain
 
 Observer = Callable[[int, str, list[str]], None]
+StepHook = Callable[[int, PlannedNode, tuple], None]
 
 
 def _load(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
@@ -234,6 +235,7 @@ class Session:
         output_names: Sequence[str] | None = None,
         *,
         observer: Observer | None = None,
+        on_step: StepHook | None = None,
         to_host: bool = True,
     ) -> dict[str, np.ndarray]:
         """Run the graph and return ``{name: numpy array}`` for ``output_names``.
@@ -244,8 +246,15 @@ class Session:
         YieldOp output names to the gradients of the module outputs (defaults: ones).
         Feeds are validated (names, dtypes, static and symbolic dims) before any node runs.
         ``observer(step, node_name, live_tensor_names)`` is called after each step, once
-        the dead tensors are released (for memory debugging). ``to_host=False`` returns the
-        backend's arrays as they are (CuPy arrays stay on the GPU).
+        the dead tensors are released (for memory debugging).
+        ``on_step(step, node, outputs)`` is called right after the kernel of plan step
+        ``step`` (``self.plan(output_names).steps[step]``) ran ``node``, with the node's
+        output values in output order, before the step's dead tensors are released: what a
+        caller needs to act on a value the moment it exists (a data-parallel trainer starts a
+        gradient's all-reduce there; a value it keeps is never reused in place by a later
+        kernel). What it raises propagates as it is. Absent, it costs one test per step.
+        ``to_host=False`` returns the backend's arrays as they are (CuPy arrays stay on the
+        GPU).
         """
         plan = self.plan(output_names)
         checked = self._check_feeds(feeds, plan)
@@ -280,6 +289,9 @@ class Session:
                     raise KernelError(f"node {step.node.label()} failed: {exc}") from exc
                 ctx.donated = ()
                 self._store(step, result, values)
+                if on_step is not None:
+                    on_step(index, step.node,
+                            tuple(result) if isinstance(result, (tuple, list)) else (result,))
                 result = args = None  # hold no reference a later donation check would see
                 for slot in step.release:
                     values[slot] = None

@@ -144,6 +144,53 @@ def test_last_use_table_and_release_of_intermediates():
     assert max(len(s) for s in live.values()) <= 4
 
 
+def test_on_step_sees_each_steps_outputs_in_plan_order_as_they_are_produced():
+    """The hook a caller acts through (no wrapping of plan steps): the step index and node
+    of the plan, every output of the node (an unused one too), before later steps run."""
+    session = Session(_chain_model(), device="cpu")
+    x = np.arange(8, dtype=np.float32).reshape(2, 4) - 3
+    seen = []
+
+    def on_step(index, node, outputs):
+        seen.append((index, node.name, [np.array(v) for v in outputs]))
+
+    out = session.run({"x": x}, ["t2", "y"], on_step=on_step)
+    plan = session.plan(["t2", "y"])
+    assert [(i, name) for i, name, _ in seen] == [(i, s.node.name)
+                                                 for i, s in enumerate(plan.steps)]
+    values = {name: outputs for _, name, outputs in seen}
+    np.testing.assert_array_equal(values["relu"][0], np.maximum(x, 0))
+    np.testing.assert_array_equal(values["mul"][0], out["t2"])
+    np.testing.assert_array_equal(values["matmul"][0], out["y"])
+
+    split = helper.make_model(helper.make_graph(
+        [helper.make_node("Split", ["x"], ["a", "b"], name="split", axis=1),
+         helper.make_node("Neg", ["a"], ["y"], name="neg")], "split",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2])]),
+        opset_imports=[helper.make_opsetid("", 13)])
+    seen.clear()
+    Session(split, device="cpu").run({"x": x}, on_step=on_step)
+    (_, first, (a, b)), (_, second, (y,)) = seen
+    assert (first, second) == ("split", "neg")
+    np.testing.assert_array_equal(b, x[:, 2:])   # "b" is used by nothing, still reported
+    np.testing.assert_array_equal(y, -x[:, :2])
+
+
+def test_what_on_step_raises_stops_the_run_unchanged():
+    session = Session(_chain_model(), device="cpu")
+    steps = []
+
+    def on_step(index, node, outputs):
+        steps.append(node.name)
+        if node.name == "mul":
+            raise LookupError("stop here")
+
+    with pytest.raises(LookupError, match="stop here"):
+        session.run({"x": np.ones((2, 4), np.float32)}, on_step=on_step)
+    assert steps == ["relu", "mul"]
+
+
 def test_cycle_is_reported():
     nodes = [helper.make_node("Relu", ["b"], ["a"], name="r1"),
              helper.make_node("Relu", ["a"], ["b"], name="r2")]
