@@ -1,0 +1,139 @@
+"""The data-parallel trainer: :class:`~..loop.Trainer` with the distributed hooks (sharded
+data, bucketed gradient all-reduce, agreed loss/overflow/stop, rank 0's weights and
+checkpoints)."""
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+
+import numpy as np
+
+from graphopt.errors import GraphoptError
+
+from .. import checkpoint as ckpt
+from ..loop import Trainer
+from .buckets import GradientReducer
+from .job import MIB, SETUP_TIMEOUT_MIN, Communicator, DistSettings
+from .transport import make_transport
+
+
+def fingerprint(trainer: Trainer, scaler_spec) -> str:
+    """What must be the same on every rank (compared as a CRC at the start)."""
+    scalars, _ = trainer.optimizer.state()
+    scalars = {k: v for k, v in scalars.items() if k != "steps"}
+    shapes = [(n, tuple(v.shape), str(v.dtype)) for n, v in trainer.params.items()]
+    return repr((trainer.settings.total_steps, trainer.settings.precision, trainer.settings.seed,
+                 trainer.batches.batch_size, trainer.batches.size, trainer.batches.seed,
+                 sorted(scalars.items()), scaler_spec, shapes))
+
+
+def weights_checksum(params: Mapping[str, np.ndarray]) -> int:
+    crc = 0
+    for value in params.values():
+        crc = zlib.crc32(np.ascontiguousarray(value).view(np.uint8), crc)
+    return crc
+
+
+class DistributedTrainer(Trainer):
+    """:class:`~..loop.Trainer` with the data-parallel hooks; rank 0 writes checkpoints."""
+
+    weights_on_device = False  # buckets, broadcasts and checksums work on host weights
+
+    def __init__(self, *args, comm: Communicator, dist: DistSettings, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.comm, self.dist = comm, dist
+        self.transport = make_transport(comm, self.session.backend)
+        self.reducer = GradientReducer(self, comm, self.transport,
+                                       max(1, int(dist.bucket_mb * MIB)), dist.overlap)
+        self._agreed_stop = False
+
+    @property
+    def setup_timeout(self) -> float:
+        return max(self.comm.timeout, SETUP_TIMEOUT_MIN)
+
+    def describe(self) -> str:
+        r = self.reducer
+        return (f"data parallel over {self.comm.size} ranks ({self.batches.local_batch} samples "
+                f"per rank per step); {len(r.buckets)} gradient bucket(s) of up to "
+                f"{self.dist.bucket_mb:g} MiB ({r.gradient_bytes / MIB:.2f} MiB in all) "
+                f"all-reduced with {self.transport.name}"
+                f"{', overlapped with the backward pass' if r.overlap else ' after backward'}; "
+                f"timeout {self.comm.timeout:g} s")
+
+    # -- start: same settings, rank 0's weights everywhere -----------------------------------
+    def check_same_settings(self, fingerprint: str) -> None:
+        mine = np.array([zlib.crc32(fingerprint.encode())], np.int64)
+        every = self.comm.allgather(mine, 0, "the settings check", self.setup_timeout)[:, 0]
+        different = [r for r in range(self.comm.size) if every[r] != every[0]]
+        if different:
+            raise GraphoptError(f"rank(s) {different} were started with other settings than "
+                                "rank 0 (model, data, batch size, optimizer, steps); launch "
+                                "every rank with the same command")
+
+    def broadcast_weights(self) -> None:
+        for name, value in self.params.items():
+            if not value.flags.c_contiguous:
+                value = self.params[name] = np.ascontiguousarray(value)
+            self.comm.bcast_array(value, self.step, "the broadcast of rank 0's weights",
+                                  self.setup_timeout)
+
+    def _read_checkpoint(self, directory: str) -> ckpt.Checkpoint:
+        state: object
+        if self.comm.rank == 0:
+            try:
+                state = ckpt.load(directory)
+            except GraphoptError as exc:
+                state = exc
+        else:
+            state = None
+        state = self.comm.bcast_object(state, 0, "the checkpoint broadcast",
+                                       self.setup_timeout)
+        if isinstance(state, GraphoptError):
+            raise GraphoptError(f"(rank 0) {state}")
+        return state
+
+    def save_checkpoint(self, directory: str) -> str | None:
+        if self.comm.rank != 0:
+            return None
+        return super().save_checkpoint(directory)
+
+    # -- a step ---------------------------------------------------------------------------
+    def _run_graph(self, feeds: dict) -> dict:
+        self.reducer.begin()
+        try:
+            return self.session.run(feeds, self.fetches, on_step=self.reducer.step_hook)
+        finally:
+            self.reducer.end()
+
+    def _gradients(self, out, scale, loss):
+        step = self.step + 1
+        self.reducer.finish(out, step)
+        grads, finite = self.reducer.gradients(self.comm.size * scale)
+        stop = bool(self.stop_flag is not None and self.stop_flag.requested)
+        totals = self.comm.allreduce_sum(
+            np.array([loss, 0.0 if finite else 1.0, 1.0 if stop else 0.0], np.float64), step,
+            "the loss/overflow all-reduce")
+        self._agreed_stop = bool(totals[2] > 0)
+        return float(totals[0] / self.comm.size), grads, bool(totals[1] == 0)
+
+    def _stop_requested(self, stop) -> bool:
+        return self._agreed_stop
+
+    def train_step(self) -> dict:
+        record = super().train_step()
+        every = self.dist.check_every
+        if every and self.step % every == 0:
+            self.check_weights()
+        return record
+
+    def check_weights(self) -> None:
+        crc = np.array([weights_checksum(self.params)], np.int64)
+        every = self.comm.allgather(crc, self.step, "the weight checksum")[:, 0]
+        different = [r for r in range(self.comm.size) if every[r] != every[0]]
+        if different:
+            raise GraphoptError(f"weights differ across ranks after step {self.step}: rank(s) "
+                                f"{different} disagree with rank 0 (CRC32 of all weights)")
+
+    def run(self):
+        self.broadcast_weights()
+        return super().run()
