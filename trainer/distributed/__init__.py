@@ -5,7 +5,7 @@ and the world size from MPI itself (``MPI.COMM_WORLD``), never from launcher var
 
 What each rank does, per step:
 
-- data: the same global order for the epoch (:class:`~.data.Batches`, a pure function of
+- data: the same global order for the epoch (:class:`~..data.Batches`, a pure function of
   (seed, epoch)); ``--batch-size B`` is the *global* batch and rank ``r`` takes rows
   ``[r*B/N, (r+1)*B/N)`` of every global batch, so N ranks with B/N each see exactly the
   samples one rank with B sees (:class:`ShardedBatches`);
@@ -35,7 +35,9 @@ may resume on a different number of ranks.
 GPUs: each rank binds the GPU ``local_rank % devices`` and all-reduces the buckets on the
 device with NCCL (RCCL on ROCm) through ``cupy.cuda.nccl``, bootstrapped by broadcasting
 NCCL's unique id over MPI; completion is polled through CUDA events with the same deadline,
-and a timeout aborts the NCCL communicator before MPI_Abort.
+and a timeout aborts the NCCL communicator before MPI_Abort. Where NCCL cannot serve every
+rank (no NCCL library, more ranks than GPUs on a host, a failed set-up), all ranks agree to
+all-reduce over MPI through the host instead and the banner says why.
 
 Rooms, each importing only those above it:
 
