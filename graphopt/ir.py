@@ -268,6 +268,80 @@ def _collect_value_info(graph: onnx.GraphProto, found: dict) -> None:
             _collect_value_info(sub, found)
 
 
+def _complete_after_contrib_ops(model: onnx.ModelProto, found: dict) -> None:
+    """ONNX inference knows no com.microsoft op, so the outputs of the FusedMatMuls the
+    fusions make, and everything computed from them, come back untyped; optimizing the
+    result again would then see less than the run that made it (and a rule guarded by a
+    rank would decide differently). Types FusedMatMul outputs as the MatMul of its inputs
+    after its flags' permutations, and the standard-domain nodes downstream by per-node
+    inference, in graph order (main graph only)."""
+    graph = model.graph
+    opset = next((o.version for o in model.opset_import if normalize_domain(o.domain) == ""),
+                 None)
+    if opset is None:
+        return
+    known = dict(found)
+    for tensor in graph.input:
+        known.setdefault(tensor.name, tensor.type)
+    for tensor in graph.initializer:
+        known.setdefault(tensor.name, onnx.helper.make_tensor_type_proto(
+            tensor.data_type, list(tensor.dims)))
+    initializers = {t.name: t for t in graph.initializer}
+    for node in graph.node:
+        missing = [o for o in node.output if o and not _has_shape(known.get(o))]
+        if not missing or not all(i in known for i in node.input if i):
+            continue
+        domain = normalize_domain(node.domain)
+        if domain == MS_DOMAIN and node.op_type == "FusedMatMul":
+            inferred = _fused_matmul_type(node, known)
+        elif domain == STANDARD_DOMAIN and not has_subgraphs(node, domain):
+            try:
+                schema = onnx.defs.get_schema(node.op_type, opset, STANDARD_DOMAIN)
+                inferred = onnx.shape_inference.infer_node_outputs(
+                    schema, node, {i: known[i] for i in node.input if i},
+                    {i: initializers[i] for i in node.input if i in initializers})
+            except (onnx.defs.SchemaError, onnx.shape_inference.InferenceError, RuntimeError):
+                continue
+        else:
+            continue
+        for name, type_proto in inferred.items():
+            if name in missing and _has_shape(type_proto):
+                known[name] = found[name] = type_proto
+
+
+def _has_shape(type_proto: onnx.TypeProto | None) -> bool:
+    """A tensor type with a rank (an output's hidden declaration leaves only its type)."""
+    return type_proto is not None and type_proto.tensor_type.HasField("shape")
+
+
+def _fused_matmul_type(node: onnx.NodeProto, known: dict) -> dict:
+    """{output: type} of a FusedMatMul: transBatch moves dim 0 to just before the last
+    dim, then trans swaps the last two; the product broadcasts as MatMul's does."""
+    dims = []
+    for index, side in ((0, "A"), (1, "B")):
+        shape = type_dims(known[node.input[index]])
+        if shape is None:
+            return {}
+        trans, batch = get_attr(node, f"trans{side}", 0), get_attr(node, f"transBatch{side}", 0)
+        if (trans or batch) and len(shape) < 2:
+            return {}  # what onnxruntime does with flags on a vector is not specified
+        if batch and len(shape) >= 3:
+            shape = [*shape[1:-1], shape[0], shape[-1]]
+        if trans:
+            shape = [*shape[:-2], shape[-1], shape[-2]]
+        dims.append(shape)
+    elem = known[node.input[0]].tensor_type.elem_type
+    matmul = onnx.helper.make_node("MatMul", ["a", "b"], ["y"])
+    try:
+        inferred = onnx.shape_inference.infer_node_outputs(
+            onnx.defs.get_schema("MatMul", 13), matmul,
+            {"a": onnx.helper.make_tensor_type_proto(elem, dims[0]),
+             "b": onnx.helper.make_tensor_type_proto(elem, dims[1])})
+    except (onnx.shape_inference.InferenceError, RuntimeError):
+        return {}
+    return {node.output[0]: inferred["y"]} if "y" in inferred else {}
+
+
 _TEMPLATES: dict = {}
 
 
@@ -897,6 +971,7 @@ class Model:
         finally:
             _restore_declarations(hidden)
         _collect_value_info(inferred.graph, self._found)
+        _complete_after_contrib_ops(inferred, self._found)
         return self._found
 
     def has_external_data(self) -> bool:
