@@ -92,11 +92,9 @@ def discover(model: onnx.ModelProto) -> TrainingGraph:
     initializer ``P`` is trained when a graph output is named ``P_grad``; the losses are the
     YieldOp inputs not listed as ``non_differentiable_outputs``."""
     graph = model.graph
-    yields = [n for n, _ in nested_nodes(graph) if is_yield(n)]
-    if len(yields) != 1 or not is_yield(next((n for n in graph.node if is_yield(n)), yields[0])):
-        raise GraphoptError(f"the graph has {len(yields)} YieldOp node(s); a training graph "
-                            "has exactly one, in its main graph")
-    node = yields[0]
+    node = _the_yield(graph)
+    if isinstance(node, str):
+        raise GraphoptError(node)
     skipped = next((list(a.ints) for a in node.attribute
                     if a.name == "non_differentiable_outputs"), [])
     losses = [x for i, x in enumerate(node.input) if i not in set(skipped)]
@@ -116,13 +114,22 @@ def frozen_initializers(graph: onnx.GraphProto, params: list[str]) -> list[str]:
             if t.data_type in FLOAT_TYPES and t.name not in trained]
 
 
+def _the_yield(graph: onnx.GraphProto) -> onnx.NodeProto | str:
+    """The graph's YieldOp, or what is wrong (none, several, one in an If/Loop body)."""
+    found = [(n, depth) for n, depth in nested_nodes(graph) if is_yield(n)]
+    if len(found) != 1 or found[0][1]:
+        return (f"the graph has {len(found)} YieldOp node(s)"
+                f"{' (one in an If/Loop/Scan body)' if any(d for _, d in found) else ''}; "
+                "a training graph has exactly one, in its main graph")
+    return found[0][0]
+
+
 def _inconsistency(tg: TrainingGraph) -> str | None:
     """What in the contract the proto contradicts, in words (None: nothing)."""
     graph = tg.proto.graph
-    yields = [n for n in graph.node if is_yield(n)]
-    if len(yields) != 1:
-        return f"the graph has {len(yields)} YieldOp node(s) in its main graph, not one"
-    node = yields[0]
+    node = _the_yield(graph)
+    if isinstance(node, str):
+        return node
     initializers = {t.name for t in graph.initializer}
     inputs = {i.name for i in graph.input}
     outputs = {o.name for o in graph.output}
