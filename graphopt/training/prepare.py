@@ -48,30 +48,37 @@ def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
         if loss is not None or labels or freeze or train:
             raise GraphoptError("the model is already a training graph (it has a YieldOp); "
                                 "--loss, --labels, --freeze and --train do not apply")
-        graph = build_training_graph(forward)
-        if float16:
-            graph = graph.with_proto(to_float16(graph.proto, keep_outputs_fp32=False))
-    else:
-        params = trained_params(forward, freeze, train)
-        staged = onnx.ModelProto()
-        staged.CopyFrom(forward)
-        list_weights_as_inputs(staged.graph, params)
-        staged, report = optimize(staged, level=1, disable=list(disable), check_input=False)
-        reports.append(("forward graph, level 1 (before differentiation)", report))
-        if float16:
-            staged = to_float16(staged)
-        arguments = _loss_arguments(loss, [o.name for o in forward.graph.output])
-        if loss == "cross_entropy":
-            arguments.update(_cross_entropy_layout(forward, labels, label_shapes or {}),
-                             ignore_index=ignore_index)
-        graph = build_training_graph(staged, labels_name=labels, train=params,
-                                     trainable=params, **arguments)
-    if not graph.params:
-        raise GraphoptError("the training graph has no '<param>_grad' output: nothing to train")
+        staged = to_float16(forward, keep_outputs_fp32=False) if float16 else forward
+        # optimized first, as any model: the engine names a misplaced YieldOp its own way
+        optimized, report = optimize(staged, level=level, disable=list(disable),
+                                     check_input=False)
+        reports.append((f"training graph, level {level}", report))
+        graph = TrainingGraph.from_model(optimized)
+        return _check_trains(graph), reports
+    params = trained_params(forward, freeze, train)
+    staged = onnx.ModelProto()
+    staged.CopyFrom(forward)
+    list_weights_as_inputs(staged.graph, params)
+    staged, report = optimize(staged, level=1, disable=list(disable), check_input=False)
+    reports.append(("forward graph, level 1 (before differentiation)", report))
+    if float16:
+        staged = to_float16(staged)
+    arguments = _loss_arguments(loss, [o.name for o in forward.graph.output])
+    if loss == "cross_entropy":
+        arguments.update(_cross_entropy_layout(forward, labels, label_shapes or {}),
+                         ignore_index=ignore_index)
+    graph = build_training_graph(staged, labels_name=labels, train=params,
+                                 trainable=params, **arguments)
     optimized, report = optimize(graph.proto, level=level, disable=list(disable),
                                  check_input=False)
     reports.append((f"training graph, level {level}", report))
-    return graph.with_proto(optimized), reports
+    return _check_trains(graph.with_proto(optimized)), reports
+
+
+def _check_trains(graph: TrainingGraph) -> TrainingGraph:
+    if not graph.params:
+        raise GraphoptError("the training graph has no '<param>_grad' output: nothing to train")
+    return graph
 
 
 def _loss_arguments(loss: str | None, outputs: list[str]) -> dict:
