@@ -20,11 +20,12 @@ from graphopt.executor import ExecutorError, Session
 from graphopt.executor.session import value_type
 from graphopt.training.graph import has_yield
 from graphopt.training.prepare import trained_params
+from graphopt.training.weights import with_weights
 
 from . import checkpoint as ckpt
 from . import distributed
 from .data import Batches, array_shapes, load_npz
-from .export import plot_format, plot_losses, require_matplotlib, save_model, trained_model
+from .export import plot_format, plot_losses, require_matplotlib, save_model
 from .loop import LoopSettings, NonFiniteError, Trainer, TrainResult
 from .loss_scaling import parse_loss_scale
 from .optimizers import make_optimizer
@@ -551,7 +552,8 @@ def _finish(opts: RunOptions, outcome: RunOutcome, say, echo) -> None:
         outcome.written.append(opts.plot)
         say(f"wrote {opts.plot}")
     if opts.output:
-        save_model(trained_model(outcome.forward, result.params), opts.output)
+        # the forward model as given (no YieldOp, no gradients), with the trained weights
+        save_model(with_weights(outcome.forward, result.params), opts.output)
         outcome.written.append(opts.output)
         say(f"wrote the trained model to {opts.output}")
 
