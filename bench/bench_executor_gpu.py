@@ -130,11 +130,12 @@ def training_step_row(cupy, batch, seq, hidden, heads, repeats):
     torch.onnx.export(block, (x,), buffer, dynamo=False, opset_version=17,
                       input_names=["x"], output_names=["y"], do_constant_folding=False)
     forward = onnx.load_from_string(buffer.getvalue())
-    training, _ = graphopt.optimize(build_training_graph(forward, loss="output"), level=2)
+    built = build_training_graph(forward, loss="output")
+    training, _ = graphopt.optimize(built.proto, level=2)
     session = Session(training, device="cuda", numerics="native")
     feeds = {"x": cupy.asarray(x.detach().cpu().numpy()),
              "y_grad": cupy.asarray(g.detach().cpu().numpy())}
-    grad_names = [o.name for o in training.graph.output if o.name.endswith("_grad")]
+    grad_names = list(built.grads.values())
 
     def ours():
         return session.run(feeds, output_names=grad_names)
@@ -150,10 +151,11 @@ def training_step_row(cupy, batch, seq, hidden, heads, repeats):
     theirs_s = timed(lambda: (theirs(), torch.cuda.synchronize()), cupy, repeats)
     theirs_peak = torch.cuda.max_memory_allocated()
     check = ours()
-    reference = {n.replace("_grad", ""): p.grad for n, p in block.named_parameters()}
-    name = next(n for n in grad_names if n[:-5] in reference)
+    reference = {n: p.grad for n, p in block.named_parameters()}
+    param = next(p for p in built.params if p in reference)
+    name = built.grads[param]
     ours_grad = cupy.asnumpy(check[name]).astype(np.float32)
-    torch_grad = reference[name[:-5]].float().cpu().numpy()
+    torch_grad = reference[param].float().cpu().numpy()
     rel = float(np.abs(ours_grad - torch_grad).max() / (np.abs(torch_grad).max() + 1e-12))
     return ours_s, theirs_s, ours_peak, theirs_peak, name, rel
 

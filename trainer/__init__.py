@@ -1,8 +1,9 @@
 """Training behind ``graphopt run``.
 
 Modules:
-  training_graph  forward model -> optimized training graph (+ what to feed and fetch)
-  precision       fp32 | mixed | fp16: float16 conversion, master and compute dtypes
+  training_graph  the run's training graph: graphopt.training's TrainingGraph (built by
+                  graphopt.training.prepare_training) + starting weights, checkpoint identity
+  precision       fp32 | mixed | fp16: master and compute dtypes
   data            .npz arrays -> batches in a seeded per-epoch order
   optimizers      SGD, momentum, AdamW (PyTorch's formulas)
   loss_scaling    none, static:N, dynamic
@@ -18,6 +19,6 @@ refuse_second_name(__name__, "trainer")
 
 from .loop import Trainer, TrainResult
 from .runner import RunOptions, RunOutcome, run
-from .training_graph import TrainingGraph, build
+from .training_graph import RunGraph, build
 
-__all__ = ["RunOptions", "RunOutcome", "TrainResult", "Trainer", "TrainingGraph", "build", "run"]
+__all__ = ["RunOptions", "RunOutcome", "TrainResult", "Trainer", "RunGraph", "build", "run"]

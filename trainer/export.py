@@ -1,28 +1,16 @@
-"""Outputs of a run besides checkpoints: the trained model and the loss-curve plot."""
+"""Outputs of a run besides checkpoints: the trained model (written by :func:`save_model`;
+:func:`graphopt.training.weights.with_weights` puts the weights in) and the loss-curve
+plot."""
 from __future__ import annotations
 
 import os
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from graphopt import modelio
 from graphopt.errors import GraphoptError
 from graphopt.ir import Model
-
-
-def trained_model(forward: onnx.ModelProto, params: dict[str, np.ndarray]) -> onnx.ModelProto:
-    """The forward model as given (no YieldOp, no gradients) with the trained weights, each
-    in its original dtype."""
-    proto = onnx.ModelProto()
-    proto.CopyFrom(forward)
-    for index, tensor in enumerate(proto.graph.initializer):
-        if tensor.name in params:
-            dtype = numpy_helper.to_array(tensor).dtype
-            replacement = numpy_helper.from_array(params[tensor.name].astype(dtype), tensor.name)
-            proto.graph.initializer[index].CopyFrom(replacement)
-    return proto
 
 
 def save_model(proto: onnx.ModelProto, path: str) -> None:

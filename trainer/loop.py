@@ -33,7 +33,7 @@ from .optimizers import Optimizer, to_host
 from .precision import compute_dtype, master_dtype
 from .progress import Progress, StepLog
 from .schedule import clip_coefficient, lr_factor
-from .training_graph import TrainingGraph
+from .training_graph import RunGraph
 
 
 @dataclass
@@ -176,7 +176,7 @@ def _reseed(session, value: int) -> None:
 class Trainer:
     weights_on_device = True
 
-    def __init__(self, graph: TrainingGraph, session, batches: Batches, optimizer: Optimizer,
+    def __init__(self, graph: RunGraph, session, batches: Batches, optimizer: Optimizer,
                  scaler: LossScaler, settings: LoopSettings, *, progress: Progress | None = None,
                  log: StepLog | None = None, echo: Callable[[str], None] = print,
                  after_step: Callable[[int, dict], None] | None = None,

@@ -18,18 +18,21 @@ from graphopt import modelio
 from graphopt.errors import GraphoptError
 from graphopt.executor import ExecutorError, Session
 from graphopt.executor.session import value_type
+from graphopt.training.graph import has_yield
+from graphopt.training.prepare import trained_params
+from graphopt.training.weights import with_weights
 
 from . import checkpoint as ckpt
 from . import distributed
 from .data import Batches, array_shapes, load_npz
-from .export import plot_format, plot_losses, require_matplotlib, save_model, trained_model
+from .export import plot_format, plot_losses, require_matplotlib, save_model
 from .loop import LoopSettings, NonFiniteError, Trainer, TrainResult
 from .loss_scaling import parse_loss_scale
 from .optimizers import make_optimizer
 from .precision import default_precision
 from .progress import Progress, StepLog
 from .schedule import check_schedule
-from .training_graph import TrainingGraph, build, describe_params, has_yield, trained_params
+from .training_graph import RunGraph, build, describe_params
 
 INTERRUPT_DIR = "graphopt-checkpoint"
 
@@ -84,7 +87,7 @@ class RunOptions:
 
 @dataclass
 class RunOutcome:
-    graph: TrainingGraph
+    graph: RunGraph
     result: TrainResult
     session: Session
     forward: onnx.ModelProto
@@ -461,7 +464,7 @@ def _schedule_words(settings: LoopSettings) -> str:
     return words
 
 
-def _eval_batches(opts: RunOptions, graph: TrainingGraph, batch_size: int, input_types: dict
+def _eval_batches(opts: RunOptions, graph: RunGraph, batch_size: int, input_types: dict
                   ) -> list[dict]:
     """--eval-data in order, in batches of --batch-size (fewer rows if the held-out set is
     smaller; a last partial batch is left out, as in training)."""
@@ -508,7 +511,8 @@ def list_params(opts: RunOptions, echo: Callable[[str], None] = print) -> list[s
         forward = modelio.load(opts.model).proto
     if has_yield(forward):
         raise GraphoptError("the model is already a training graph (it has a YieldOp): it "
-                            "trains the initializers that have a '<name>_grad' output")
+                            "trains what its graphopt metadata lists, or else the "
+                            "initializers that have a '<name>_grad' output")
     params = trained_params(forward, opts.freeze, opts.train)
     lines = describe_params(forward, params, opts.freeze, opts.train)
     for line in lines:
@@ -548,7 +552,8 @@ def _finish(opts: RunOptions, outcome: RunOutcome, say, echo) -> None:
         outcome.written.append(opts.plot)
         say(f"wrote {opts.plot}")
     if opts.output:
-        save_model(trained_model(outcome.forward, result.params), opts.output)
+        # the forward model as given (no YieldOp, no gradients), with the trained weights
+        save_model(with_weights(outcome.forward, result.params), opts.output)
         outcome.written.append(opts.output)
         say(f"wrote the trained model to {opts.output}")
 

@@ -2,6 +2,10 @@
 
     from graphopt.training import build_training_graph
     training = build_training_graph(model, loss="cross_entropy", freeze=["embed.*"])
+    training.proto, training.params, training.grads   # the graph and what it trains
+
+A :class:`TrainingGraph` records what it trains in the model's metadata, so a saved one
+reads back with :meth:`TrainingGraph.from_model`.
 
 Gradients are declared per op type in :mod:`graphopt.training.gradients`; add one with::
 
@@ -12,6 +16,7 @@ Gradients are declared per op type in :mod:`graphopt.training.gradients`; add on
         return [ctx.op("Mul", ctx.dy, ctx.op("Sigmoid", ctx.input(0)))]
 """
 from .builder import build_training_graph
+from .graph import TrainingGraph
 from .registry import GRADIENTS, GradientContext, gradient
 
-__all__ = ["build_training_graph", "gradient", "GradientContext", "GRADIENTS"]
+__all__ = ["build_training_graph", "TrainingGraph", "gradient", "GradientContext", "GRADIENTS"]

@@ -2,8 +2,11 @@
 
 Layout of the result, as ORTModule builds it: the forward nodes, one com.microsoft
 ``YieldOp`` that receives the loss (and any kept outputs) and hands back their gradients,
-then the gradient nodes. Graph outputs: the YieldOp's inputs, then ``<param>_grad`` for
-every trainable initializer (and ``<input>_grad`` for requested graph inputs).
+then the gradient nodes. Graph outputs: the YieldOp's inputs, then the gradient of every
+trainable initializer (and of requested graph inputs), named ``<param>_grad`` unless the
+model already has a tensor of that name. The result is a :class:`.graph.TrainingGraph`: which
+output holds which gradient is stated there (and in the model's metadata), never inferred
+from names.
 
 The backward pass walks the forward nodes that carry a gradient in reverse order; each
 node's registered definition (``graphopt.training.gradients``) turns its output gradients
@@ -23,22 +26,23 @@ from ..ir import MS_DOMAIN, Model, nested_nodes, normalize_domain
 from ..modelio import load
 from . import gradients  # noqa: F401  (registers the built-in gradient definitions)
 from .emitter import Emitter, external_inputs
+from .graph import YIELD_OP, TrainingGraph, frozen_initializers, is_yield
 from .losses import attach_loss
 from .paths import GradientPath, ancestors, find_gradient_path
 from .registry import GradientContext, gradient_of, op_label
 from .selection import Patterns, as_patterns, matching, select_trainable
 from .types import TypeTable
 
-YIELD_OP = "YieldOp"
 
-
-def build_training_graph(model: onnx.ModelProto | str | os.PathLike, loss: str | None = None, *,
+def build_training_graph(model: onnx.ModelProto | TrainingGraph | str | os.PathLike,
+                         loss: str | None = None, *,
                          outputs: Patterns = None, keep_outputs: Patterns = (),
                          labels_name: str | None = None, trainable: Patterns = None,
                          freeze: Patterns = (), train: Patterns = (), input_grads: Patterns = (),
                          weights_as_inputs: bool = True, class_axis: int | None = None,
-                         ignore_index: int | None = None) -> onnx.ModelProto:
-    """Build the training graph of a forward model (a ModelProto, left untouched, or a path).
+                         ignore_index: int | None = None) -> TrainingGraph:
+    """Build the training graph of a forward model (a ModelProto, left untouched, or a path):
+    a :class:`TrainingGraph`, the proto and what it trains.
 
     ``loss``: None (the model's scalar output ``outputs`` is the loss), "output" (the
     module outputs go to the YieldOp; their gradients are fed as ``<output>_grad`` and
@@ -54,14 +58,17 @@ def build_training_graph(model: onnx.ModelProto | str | os.PathLike, loss: str |
     values as defaults), as ORTModule does, so a training loop can feed updated weights and
     constant-folding rewrites leave them alone.
 
-    A model that already has a YieldOp is returned as it is, after checking it has exactly
-    one. Ops on the path from the trained tensors to the loss that have no gradient
-    definition raise one GraphoptError naming all of them.
+    A model that already has a YieldOp (or a TrainingGraph) is returned as it is, after
+    checking it has exactly one, with what it trains read by
+    :meth:`TrainingGraph.from_model`. Ops on the path from the trained tensors to the loss
+    that have no gradient definition raise one GraphoptError naming all of them.
     """
+    if isinstance(model, TrainingGraph):
+        model = model.proto
     proto = load(model, check=False).proto  # a copy: the caller's proto is never modified
     # a YieldOp in an If/Loop body counts too (and a training graph has none there)
-    yields = [n for n, _ in nested_nodes(proto.graph) if _is_yield(n)]
-    if any(depth for n, depth in nested_nodes(proto.graph) if _is_yield(n)):
+    yields = [n for n, _ in nested_nodes(proto.graph) if is_yield(n)]
+    if any(depth for n, depth in nested_nodes(proto.graph) if is_yield(n)):
         listed = ", ".join(repr(n.name) for n in yields)
         raise GraphoptError(f"the graph has {len(yields)} YieldOp node(s) ({listed}), one "
                             "inside an If/Loop/Scan body; a training graph has exactly one, "
@@ -72,7 +79,7 @@ def build_training_graph(model: onnx.ModelProto | str | os.PathLike, loss: str |
                    "train": train, "input_grads": input_grads}
         _check_existing_training_graph(yields, [k for k, v in options.items()
                                                 if v is not None and v != () and v != []])
-        return proto
+        return TrainingGraph.from_model(proto)
     graph = proto.graph
     names = Model(proto).names
     head = attach_loss(proto, loss, outputs, keep_outputs, labels_name, names, class_axis,
@@ -80,6 +87,7 @@ def build_training_graph(model: onnx.ModelProto | str | os.PathLike, loss: str |
 
     params = select_trainable([(t.name, t.data_type) for t in graph.initializer],
                               trainable, freeze, train)
+    frozen = frozen_initializers(graph, params)
     initializer_names = {t.name for t in graph.initializer}
     real_inputs = [i.name for i in graph.input if i.name not in initializer_names]
     wanted_inputs = matching(real_inputs, as_patterns(input_grads), "input_grads")
@@ -115,14 +123,12 @@ def build_training_graph(model: onnx.ModelProto | str | os.PathLike, loss: str |
     _drop_stale_value_info(graph)
     _set_outputs(graph, head.module_outputs, output_names, types)
     if weights_as_inputs:
-        _list_weights_as_inputs(graph, params)
+        list_weights_as_inputs(graph, params)
     if not any(normalize_domain(o.domain) == MS_DOMAIN for o in proto.opset_import):
         proto.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
-    return proto
-
-
-def _is_yield(node: onnx.NodeProto) -> bool:
-    return node.op_type == YIELD_OP and normalize_domain(node.domain) == MS_DOMAIN
+    return TrainingGraph(proto, params, {p: output_names[p] for p in params},
+                         list(head.differentiable), yield_outputs,
+                         {t: output_names[t] for t in differentiated if t not in params}, frozen)
 
 
 def _check_existing_training_graph(yields: list[onnx.NodeProto], options_given: list[str]):
@@ -230,7 +236,9 @@ def _drop_stale_value_info(graph: onnx.GraphProto) -> None:
     graph.value_info.extend(kept)
 
 
-def _list_weights_as_inputs(graph: onnx.GraphProto, params: list[str]) -> None:
+def list_weights_as_inputs(graph: onnx.GraphProto, params: list[str]) -> None:
+    """Declare the trained initializers as graph inputs too (their values as defaults), as
+    ORTModule does: a training loop feeds updated weights, constant folding leaves them."""
     declared = {i.name for i in graph.input}
     by_name = {t.name: t for t in graph.initializer}
     for name in params:

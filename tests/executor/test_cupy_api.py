@@ -100,7 +100,7 @@ def gpu_path_run(tmp_path_factory):
         path = fixture_path(f"{name}.onnx")
         data = np.load(fixture_path(f"{name}.npz"))
         meta = json.loads(str(data["__meta__"]))
-        training = build_training_graph(path, loss="output")
+        training = build_training_graph(path, loss="output").proto
         feeds = {k: data[k] for k in meta["inputs"]}
         feeds["output_grad"] = np.random.default_rng(0).standard_normal(
             data["output"].shape).astype(data["output"].dtype)

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.cli import main
-from graphopt.trainer.precision import to_float16
+from graphopt.training.float16 import to_float16
 
 from .helpers import MLP, mlp_data, write_npz
 

@@ -10,7 +10,7 @@ from graphopt.errors import GraphoptError
 from graphopt.trainer.data import Batches
 from graphopt.trainer.loss_scaling import DynamicLossScaler, parse_loss_scale
 from graphopt.trainer.optimizers import make_optimizer
-from graphopt.trainer.precision import to_float16
+from graphopt.training.float16 import to_float16
 
 from .helpers import MLP
 

@@ -11,7 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from graphopt.training import build_training_graph
+from graphopt.training import TrainingGraph, build_training_graph
 
 FIXTURES = os.path.join(os.path.dirname(__file__), os.pardir, "fixtures")
 MS = "com.microsoft"
@@ -24,11 +24,13 @@ def fixture(name: str):
     return os.path.join(FIXTURES, f"{name}.onnx"), data, json.loads(str(data["__meta__"]))
 
 
-def run_training(model: onnx.ModelProto, feeds: dict) -> dict[str, np.ndarray]:
+def run_training(training: TrainingGraph | onnx.ModelProto, feeds: dict
+                 ) -> dict[str, np.ndarray]:
     from graphopt.executor import Session
 
-    onnx.checker.check_model(model)
-    return Session(model, device="cpu").run(feeds)
+    proto = training.proto if isinstance(training, TrainingGraph) else training
+    onnx.checker.check_model(proto)
+    return Session(proto, device="cpu").run(feeds)
 
 
 class ForwardRunner:
@@ -135,7 +137,8 @@ def check_against_finite_differences(forward: onnx.ModelProto, feeds: dict, *,
     """Build the training graph (loss sum(output * g)) of a float64 ``forward`` model and
     compare every gradient output with central differences of the forward model."""
     training = build_training_graph(forward, loss="output", input_grads=input_grads, **options)
-    trained = [o.name[:-len("_grad")] for o in training.graph.output if o.name.endswith("_grad")]
+    grads = {**training.grads, **training.input_grads}
+    trained = list(grads)
     runner = ForwardRunner(forward, fed_initializers=trained)
     output_names = [o.name for o in forward.graph.output]
     initial = {t.name: numpy_helper.to_array(t) for t in forward.graph.initializer
@@ -153,6 +156,6 @@ def check_against_finite_differences(forward: onnx.ModelProto, feeds: dict, *,
     assert trained, "no gradient outputs"
     for name in trained:
         expected = central_differences(loss, values, name)
-        np.testing.assert_allclose(result[f"{name}_grad"], expected, rtol=rtol, atol=atol,
+        np.testing.assert_allclose(result[grads[name]], expected, rtol=rtol, atol=atol,
                                    err_msg=f"gradient of {name}")
     return training

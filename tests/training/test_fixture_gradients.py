@@ -27,23 +27,26 @@ def test_gradients_equal_pytorch_autograd(name):
 def test_graph_layout_is_ortmodule_style(name):
     path, _, meta = fixture(name)
     training = build_training_graph(path, loss="output")
-    onnx.checker.check_model(training)
-    assert any(o.domain == MS for o in training.opset_import)
-    nodes = list(training.graph.node)
+    proto = training.proto
+    onnx.checker.check_model(proto)
+    assert any(o.domain == MS for o in proto.opset_import)
+    nodes = list(proto.graph.node)
     yields = [i for i, n in enumerate(nodes) if n.op_type == "YieldOp" and n.domain == MS]
     assert len(yields) == 1
     yield_node = nodes[yields[0]]
     assert list(yield_node.input) == ["output"] and list(yield_node.output) == ["output_grad"]
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in yield_node.attribute}
     assert attrs["full_shape_outputs"] == [0]
-    outputs = [o.name for o in training.graph.output]
+    outputs = [o.name for o in proto.graph.output]
     assert outputs == ["output"] + [f"{p}_grad" for p in meta["grads"]]
+    assert training.grads == {p: f"{p}_grad" for p in meta["grads"]}
+    assert training.losses == ["output"] and training.loss_grads == ["output_grad"]
     # every forward node feeds the YieldOp: the backward-pass marking relies on it
     forward_outputs = {o for n in nodes[:yields[0]] for o in n.output}
     backward_inputs = {i for n in nodes[yields[0]:] for i in n.input}
     assert "output" in forward_outputs and "output_grad" in backward_inputs
     # trainable weights are graph inputs too (defaults = their values)
-    inputs = {i.name for i in training.graph.input}
+    inputs = {i.name for i in proto.graph.input}
     assert set(meta["grads"]) <= inputs
 
 
@@ -114,7 +117,7 @@ def test_rewrite_rules_keep_the_gradients_and_mark_the_backward_pass():
 
     path, data, meta = fixture("mqa_block")
     training = build_training_graph(path, loss="output")
-    optimized, _ = graphopt.optimize(training)
+    optimized, _ = graphopt.optimize(training.proto)
     nodes = list(optimized.graph.node)
     position = next(i for i, n in enumerate(nodes) if n.op_type == "YieldOp")
 

@@ -50,8 +50,9 @@ def test_named_loss_matches_finite_differences(loss):
         label_name, labels = "target", rng.standard_normal((4, 10))
         loss_fn = mean_squared_error
     training = build_training_graph(forward, loss=loss)
-    assert [o.name for o in training.graph.output] == ["loss"] + [f"{p}_grad" for p in PARAMS]
-    assert label_name in {i.name for i in training.graph.input}
+    assert [o.name for o in training.proto.graph.output] == ["loss"] + [f"{p}_grad" for p in PARAMS]
+    assert training.losses == ["loss"] and training.params == PARAMS
+    assert label_name in {i.name for i in training.proto.graph.input}
     result = run_training(training, {"x": x, label_name: labels})
 
     runner = ForwardRunner(forward, fed_initializers=PARAMS)
@@ -110,7 +111,7 @@ def _model_with_its_own_loss():
 def test_loss_already_in_the_model():
     forward, x = _model_with_its_own_loss()
     training = build_training_graph(forward, outputs="loss")
-    assert [o.name for o in training.graph.output] == ["loss", "w_grad"]
+    assert [o.name for o in training.proto.graph.output] == ["loss", "w_grad"]
     result = run_training(training, {"x": x})  # YieldOp's loss gradient defaults to one
     runner = ForwardRunner(forward, fed_initializers=["w"])
     w = numpy_helper.to_array(forward.graph.initializer[0])
@@ -121,11 +122,11 @@ def test_loss_already_in_the_model():
 def test_kept_output_passes_the_yield_op_without_a_gradient():
     forward, x = _model_with_its_own_loss()
     training = build_training_graph(forward, outputs="loss", keep_outputs=["y"])
-    yield_node = next(n for n in training.graph.node if n.op_type == "YieldOp")
+    yield_node = next(n for n in training.proto.graph.node if n.op_type == "YieldOp")
     attrs = {a.name: helper.get_attribute_value(a) for a in yield_node.attribute}
     assert list(yield_node.input) == ["loss", "y"] and len(yield_node.output) == 1
     assert attrs == {"full_shape_outputs": [0], "non_differentiable_outputs": [1]}
-    assert [o.name for o in training.graph.output] == ["loss", "y", "w_grad"]
+    assert [o.name for o in training.proto.graph.output] == ["loss", "y", "w_grad"]
     reference = run_training(build_training_graph(forward, outputs="loss"), {"x": x})
     result = run_training(training, {"x": x})
     np.testing.assert_allclose(result["w_grad"], reference["w_grad"])
@@ -136,8 +137,8 @@ def test_kept_output_passes_the_yield_op_without_a_gradient():
 def test_output_mode_takes_every_module_output():
     forward, x = _model_with_its_own_loss()
     training = build_training_graph(forward, loss="output")
-    yield_node = next(n for n in training.graph.node if n.op_type == "YieldOp")
-    assert list(yield_node.output) == ["loss_grad", "y_grad"]
+    yield_node = next(n for n in training.proto.graph.node if n.op_type == "YieldOp")
+    assert list(yield_node.output) == ["loss_grad", "y_grad"] == training.loss_grads
     g = np.random.default_rng(4).standard_normal((3, 2))
     both = run_training(training, {"x": x, "loss_grad": np.array(2.0), "y_grad": g})
     loss_only = run_training(build_training_graph(forward, outputs="loss"), {"x": x})

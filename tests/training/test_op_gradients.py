@@ -172,7 +172,7 @@ def test_dynamic_dims_use_runtime_shapes():
     forward = model(nodes, [vi("x", ["n", "m"])], [vi("y", None)], {"bias": rand(3)})
     training = check_against_finite_differences(forward, {"x": rand(5, 3)}, input_grads=["x"],
                                                 rtol=1e-5, atol=1e-7)
-    op_types = {n.op_type for n in training.graph.node}
+    op_types = {n.op_type for n in training.proto.graph.node}
     assert {"Shape", "BroadcastGradientArgs"} <= op_types
 
 
@@ -183,7 +183,7 @@ def test_shared_tensors_accumulate_with_sum():
     forward = model(nodes, [vi("x", [3, 3])], [vi("y", [3, 3])], {"w": rand(3, 3)})
     training = check_against_finite_differences(forward, {"x": rand(3, 3)}, input_grads=["x"],
                                                 rtol=1e-5, atol=1e-7)
-    assert "Sum" in {n.op_type for n in training.graph.node}
+    assert "Sum" in {n.op_type for n in training.proto.graph.node}
 
 
 def test_integer_branch_is_not_differentiated():

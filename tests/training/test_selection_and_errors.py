@@ -7,7 +7,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from graphopt.errors import GraphoptError
-from graphopt.training import build_training_graph
+from graphopt.training import TrainingGraph, build_training_graph
 from graphopt.training.selection import select_trainable
 
 from .helpers import DOUBLE, MS, fixture, model, run_training
@@ -16,8 +16,11 @@ FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
 MLP_PARAMS = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
 
 
-def grad_outputs(training: onnx.ModelProto) -> list[str]:
-    return [o.name[:-len("_grad")] for o in training.graph.output if o.name.endswith("_grad")]
+def grad_outputs(training: TrainingGraph) -> list[str]:
+    """The tensors that get a gradient, as the graph's outputs say it."""
+    grads = {**training.grads, **training.input_grads}
+    outputs = [o.name for o in training.proto.graph.output]
+    return [tensor for tensor, grad in grads.items() if grad in outputs]
 
 
 # ---- selection --------------------------------------------------------------------------------
@@ -53,10 +56,11 @@ def test_frozen_parameters_get_no_gradient_and_others_are_unchanged():
     full = run_training(build_training_graph(path, loss="output"), feeds)
     training = build_training_graph(path, loss="output", freeze=["fc1.*"])
     assert grad_outputs(training) == ["fc2.weight", "fc2.bias"]
+    assert training.frozen == ["fc1.weight", "fc1.bias"]
     # fc1 stays a plain initializer: only trained weights are listed as graph inputs
-    assert {i.name for i in training.graph.input} == {"x", "fc2.weight", "fc2.bias"}
+    assert {i.name for i in training.proto.graph.input} == {"x", "fc2.weight", "fc2.bias"}
     # nothing flows into the frozen layer: no ReluGrad, no fc1 Gemm gradients
-    assert "ReluGrad" not in {n.op_type for n in training.graph.node}
+    assert "ReluGrad" not in {n.op_type for n in training.proto.graph.node}
     result = run_training(training, feeds)
     for param in ["fc2.weight", "fc2.bias"]:
         np.testing.assert_array_equal(result[f"{param}_grad"], full[f"{param}_grad"])
@@ -120,7 +124,9 @@ def test_yield_op_graph_is_returned_as_is():
     path, _, _ = fixture("mlp")
     training = build_training_graph(path, loss="output")
     again = build_training_graph(training)
-    assert again.SerializeToString() == training.SerializeToString()
+    assert again.proto.SerializeToString() == training.proto.SerializeToString()
+    assert again == training
+    assert build_training_graph(training.proto) == training
 
 
 def test_two_yield_ops_are_refused():
@@ -128,7 +134,7 @@ def test_two_yield_ops_are_refused():
     training = build_training_graph(path, loss="output")
     extra = helper.make_node("YieldOp", ["output"], ["output_grad_2"], domain=MS, name="second",
                              full_shape_outputs=[0])
-    training.graph.node.append(extra)
+    training.proto.graph.node.append(extra)
     with pytest.raises(GraphoptError, match="2 YieldOp nodes .*'second'"):
         build_training_graph(training)
 

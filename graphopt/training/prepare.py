@@ -1,0 +1,121 @@
+"""Forward model -> the optimized training graph a training run executes.
+
+Order, as ONNX Runtime training does it:
+1. level-1 rewrites on the *forward* graph (ORT's pre-training transformers), trainable
+   weights listed as graph inputs so constant folding leaves them alone. The Falcon
+   Slice/Gather/Gather on ``fused_qkv`` becomes one Split here, so the gradient builder
+   differentiates the Split: its gradient is one Concat instead of a SliceGrad and two
+   GatherGrads that each materialise a zero tensor of the full ``fused_qkv`` shape;
+2. float16 conversion for mixed/fp16 training (loss kept in float32; :mod:`.float16`);
+3. the training graph (forward, YieldOp, gradients; :mod:`.builder`);
+4. rewrites up to ``level`` on the training graph: mark_backward_pass puts
+   ``__backwardpass=1`` on the YieldOp and the gradient nodes, the FusedMatMul fusions fuse
+   the gradient GEMMs' transposes and scales (the mark is carried over by the engine).
+
+A model that already has a YieldOp skips 1-3; what it trains comes from its metadata, or
+from its output names (:meth:`.graph.TrainingGraph.from_model`).
+"""
+from __future__ import annotations
+
+import onnx
+
+from ..api import optimize
+from ..errors import GraphoptError
+from ..report import Report
+from .builder import build_training_graph, list_weights_as_inputs
+from .float16 import to_float16
+from .graph import TrainingGraph, has_yield
+from .losses import DEFAULT_LABELS, class_axis_for
+from .selection import classify_initializers, select_trainable
+
+NAMED_LOSSES = ("cross_entropy", "mse", "output")
+
+
+def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
+                     labels: str | None = None, freeze=(), train=(), level: int = 2,
+                     float16: bool = False, disable: tuple[str, ...] = (),
+                     label_shapes: dict | None = None, ignore_index: int | None = None
+                     ) -> tuple[TrainingGraph, list[tuple[str, Report]]]:
+    """(the optimized training graph, the rewrite report of each stage with its title).
+
+    ``loss``: a named loss (:data:`NAMED_LOSSES`), an output's name, or None (the model's
+    scalar output); ``freeze``/``train``: patterns applied to the default selection
+    (:func:`trained_params`); ``float16``: train a float16 copy (mixed or fp16 precision);
+    ``label_shapes``: the data's array shapes by name, to find the logits' class axis for
+    cross_entropy; ``ignore_index``: the label value cross_entropy ignores."""
+    reports: list[tuple[str, Report]] = []
+    if has_yield(forward):
+        if loss is not None or labels or freeze or train:
+            raise GraphoptError("the model is already a training graph (it has a YieldOp); "
+                                "--loss, --labels, --freeze and --train do not apply")
+        staged = to_float16(forward, keep_outputs_fp32=False) if float16 else forward
+        # optimized first, as any model: the engine names a misplaced YieldOp its own way
+        optimized, report = optimize(staged, level=level, disable=list(disable),
+                                     check_input=False)
+        reports.append((f"training graph, level {level}", report))
+        graph = TrainingGraph.from_model(optimized)
+        return _check_trains(graph), reports
+    params = trained_params(forward, freeze, train)
+    staged = onnx.ModelProto()
+    staged.CopyFrom(forward)
+    list_weights_as_inputs(staged.graph, params)
+    staged, report = optimize(staged, level=1, disable=list(disable), check_input=False)
+    reports.append(("forward graph, level 1 (before differentiation)", report))
+    if float16:
+        staged = to_float16(staged)
+    arguments = _loss_arguments(loss, [o.name for o in forward.graph.output])
+    if loss == "cross_entropy":
+        arguments.update(_cross_entropy_layout(forward, labels, label_shapes or {}),
+                         ignore_index=ignore_index)
+    graph = build_training_graph(staged, labels_name=labels, train=params,
+                                 trainable=params, **arguments)
+    optimized, report = optimize(graph.proto, level=level, disable=list(disable),
+                                 check_input=False)
+    reports.append((f"training graph, level {level}", report))
+    return _check_trains(graph.with_proto(optimized)), reports
+
+
+def _check_trains(graph: TrainingGraph) -> TrainingGraph:
+    if not graph.params:
+        raise GraphoptError("the training graph has no '<param>_grad' output: nothing to train")
+    return graph
+
+
+def _loss_arguments(loss: str | None, outputs: list[str]) -> dict:
+    """``--loss`` -> build_training_graph arguments: a named loss, or an output's name."""
+    if loss is None or loss in NAMED_LOSSES:
+        return {"loss": loss}
+    if loss not in outputs:
+        raise GraphoptError(f"--loss {loss!r} is neither {', '.join(NAMED_LOSSES)} nor a graph "
+                            f"output; the outputs are {outputs}")
+    return {"loss": None, "outputs": [loss]}
+
+
+def _cross_entropy_layout(forward: onnx.ModelProto, labels: str | None, shapes: dict) -> dict:
+    """The class axis of the logits, from the labels the data holds (HF causal LMs give
+    [batch, seq, vocab] logits for [batch, seq] labels: the last axis)."""
+    name = labels or DEFAULT_LABELS["cross_entropy"]
+    outputs = list(forward.graph.output)
+    if len(outputs) != 1 or name not in shapes:
+        return {}
+    return {"class_axis": class_axis_for(outputs[0], tuple(shapes[name]), name)}
+
+
+def trained_params(forward: onnx.ModelProto, freeze=(), train=()) -> list[str]:
+    """The initializers a run trains: the parameters (see
+    :func:`.selection.classify_initializers`), less ``--freeze``, plus ``--train`` (which may
+    name anything floating-point, constants included)."""
+    initializers = [(t.name, t.data_type) for t in forward.graph.initializer]
+    default, left_out = classify_initializers(forward)
+    params = select_trainable(initializers, default, freeze, train)
+    if not params:
+        kept = [n for key, names in left_out.items() if key != "integer" for n in names]
+        hint = (f"; {len(kept)} float initializer(s) are left out by default "
+                f"({listed_names(kept)}): --train PATTERN trains them") if kept else ""
+        raise GraphoptError(f"nothing to train: no float initializer is selected{hint}")
+    return params
+
+
+def listed_names(names: list[str], limit: int = 6) -> str:
+    """The first ``limit`` names, and how many there are if more."""
+    return ", ".join(names[:limit]) + (f", ... ({len(names)})" if len(names) > limit else "")
