@@ -63,6 +63,18 @@ class Numerics:
         self._kernels = _kernels_for(xp, native_alternate=is_mi200_hardware(device_info))
         self._stats = DenormalStats() if collect_stats else None
 
+    def cache_weights(self, generation) -> bool:
+        """Convert the weights of ``generation`` (a ``gpu_gemm.WeightGeneration`` the trainer
+        bumps) for the emulated alternate once per generation; False where nothing is
+        converted (the CPU kernels, rocBLAS's own alternate)."""
+        if not hasattr(self._kernels, "weight_cache") or getattr(
+                self._kernels, "native_alternate", False):
+            return False
+        from .gpu_gemm import ConvertedWeights  # noqa: PLC0415 - CuPy paths only
+
+        self._kernels.weight_cache = ConvertedWeights(generation)
+        return True
+
     def backward_pass(self) -> AbstractContextManager:
         """Context manager for nodes carrying ``__backwardpass=1``."""
         return BackwardPassGuard()
