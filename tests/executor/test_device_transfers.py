@@ -120,6 +120,10 @@ def test_nccl_like_step_reads_back_one_array_the_losses(precision):
         assert len(trainer_reads) == 1 and "_reduce_on_device" in trainer_reads[0], reads
         assert np.isfinite(record["loss"])
     assert reducer.launched_in_backward > 0
+    # each step starts a weight generation with the weights it feeds (the FP16 alternate's
+    # conversion cache forgets the weights the optimizer updated in place)
+    generation = trainer.weight_generation
+    assert generation.value == STEPS and len(generation.weights) == len(trainer.params)
     assert all(isinstance(v, DeviceArray) for v in trainer.params.values())
     # the new calls (bucket staging, unscaling, the packed read) exist in CuPy as made
     if importlib.util.find_spec("cupy") is not None:   # CuPy installs without a GPU
