@@ -331,8 +331,9 @@ class WeightGeneration:
 
 
 class ConvertedWeights:
-    """FP16 -> BF16-bit conversions of weights, each made once per :class:`WeightGeneration`
-    (a weight read by several alternate GEMMs of a step is converted once)."""
+    """Conversions of weights (FP16 -> BF16 bits for the emulated alternate, the subnormal
+    flush for the emulated MI200 original), each made once per :class:`WeightGeneration`:
+    a weight read by several GEMMs of a step is converted once per layout and kind."""
 
     def __init__(self, generation: WeightGeneration):
         self.generation = generation
@@ -340,7 +341,7 @@ class ConvertedWeights:
         self._entries: dict = {}
         self.hits = self.misses = 0
 
-    def get(self, x, rounding, convert):
+    def get(self, x, kind, convert):
         generation = self.generation
         if self._value != generation.value:   # the weights may have changed: forget all
             self._entries.clear()
@@ -348,7 +349,7 @@ class ConvertedWeights:
         owner = next((w for w in generation.weights if x is w or x.base is w), None)
         if owner is None:
             return convert(x)
-        key = (id(owner), _address(x), x.shape, x.strides, rounding)
+        key = (id(owner), _address(x), x.shape, x.strides, kind)
         entry = self._entries.get(key)
         if entry is not None and entry[0] is owner:
             self.hits += 1
@@ -411,7 +412,7 @@ class CupyFp16Gemm:
         return out, (self.count_subnormals(out) if count_output else None)
 
     def original_mi200(self, a, b, count_output=False):
-        out = self.matmul(self.flush_subnormals(a), self.flush_subnormals(b),
+        out = self.matmul(self._flushed_operand(a), self._flushed_operand(b),
                           CUDA_R_16F, CUDA_R_16F)
         before_flush = self.count_subnormals(out) if count_output else None
         return self.flush_subnormals(out), before_flush
@@ -427,6 +428,11 @@ class CupyFp16Gemm:
                               CUDA_R_16BF, CUDA_R_32F)
             out = out.astype(self.cp.float16)
         return out, (self.count_subnormals(out) if count_output else None)
+
+    def _flushed_operand(self, x):
+        if self.weight_cache is None:
+            return self.flush_subnormals(x)
+        return self.weight_cache.get(x, "flush", self.flush_subnormals)
 
     def _bf16_operand(self, x, rounding):
         if self.weight_cache is None:

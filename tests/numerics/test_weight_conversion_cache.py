@@ -24,6 +24,11 @@ from graphopt.executor.numerics.policy import RNZ, TRUNCATE
 
 def _fake_cupy(conversions):
     def elementwise(inputs, outputs, body, name):
+        if name == "graphopt_flush_fp16_subnormals":
+            def flush(bits):
+                conversions.append(("flush", bits.shape))
+                return fp16_bits.flush_subnormals(bits.view(np.float16)).view(np.uint16)
+            return flush
         if name == "graphopt_fp16_to_bf16_bits":
             def convert(bits, rnz):
                 conversions.append(bits.shape)
@@ -39,11 +44,13 @@ def _fake_cupy(conversions):
 
 
 class HostBlas(CupyFp16Gemm):
-    """The BLAS product on the host: BF16 bits in, float32 out (cuBLAS's BF16 -> F32)."""
+    """The BLAS product on the host: BF16 bits in, float32 out (cuBLAS's BF16 -> F32), or
+    FP16 in and out."""
 
     def matmul(self, a, b, in_type, out_type, flags=0):
-        assert out_type == CUDA_R_32F
-        return fp16_bits.bf16_bits_to_float32(a) @ fp16_bits.bf16_bits_to_float32(b)
+        if out_type == CUDA_R_32F:
+            return fp16_bits.bf16_bits_to_float32(a) @ fp16_bits.bf16_bits_to_float32(b)
+        return (a.astype(np.float32) @ b.astype(np.float32)).astype(np.float16)
 
 
 def _gemm():
@@ -108,3 +115,21 @@ def test_arrays_that_are_not_weights_are_never_cached():
     for _ in range(3):
         gemm.alternate(a, b, TRUNCATE)
     assert len(conversions) == 6 and gemm.weight_cache.hits == 0
+
+
+def test_the_emulated_mi200_flush_of_a_weight_is_cached_too():
+    rng = np.random.default_rng(2)
+    weight = (rng.standard_normal((6, 4)) * 1e-5).astype(np.float16)   # subnormals
+    xs = [rng.standard_normal((3, 6)).astype(np.float16) for _ in range(3)]
+    plain, _ = _gemm()
+    want = [plain.original_mi200(x, weight)[0] for x in xs]
+    gemm, conversions = _gemm()
+    generation = WeightGeneration()
+    gemm.weight_cache = ConvertedWeights(generation)
+    generation.bump([weight])
+    got = [gemm.original_mi200(x, weight)[0] for x in xs]
+    # each x once, the weight once, each output once
+    assert len(conversions) == 3 + 1 + 3
+    assert (gemm.weight_cache.hits, gemm.weight_cache.misses) == (2, 1)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g.view(np.uint16), w.view(np.uint16))
