@@ -58,8 +58,7 @@ def trainer_on(cupy):
     from graphopt.executor.backend import ArrayBackend
     from graphopt.executor.session import value_type
     from graphopt.trainer.data import Batches, array_shapes
-    from graphopt.trainer.distributed import DistributedTrainer, DistSettings
-    from graphopt.trainer.distributed.transport import DeviceBuckets
+    from graphopt.trainer.distributed import DeviceBuckets, DistributedTrainer, DistSettings
     from graphopt.trainer.loop import LoopSettings
     from graphopt.trainer.loss_scaling import parse_loss_scale
     from graphopt.trainer.optimizers import make_optimizer

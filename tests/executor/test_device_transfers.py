@@ -21,8 +21,12 @@ from graphopt.executor import Session
 from graphopt.executor.backend import ArrayBackend
 from graphopt.executor.session import value_type
 from graphopt.trainer.data import Batches, array_shapes
-from graphopt.trainer.distributed import DistributedTrainer, DistSettings, NcclTransport
-from graphopt.trainer.distributed.transport import DeviceBuckets
+from graphopt.trainer.distributed import (
+    DeviceBuckets,
+    DistributedTrainer,
+    DistSettings,
+    NcclTransport,
+)
 from graphopt.trainer.loop import LoopSettings, Trainer
 from graphopt.trainer.loss_scaling import parse_loss_scale
 from graphopt.trainer.optimizers import make_optimizer

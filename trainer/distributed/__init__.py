@@ -68,11 +68,18 @@ from .job import (
 )
 from .sharding import ShardedBatches
 from .trainer import DistributedTrainer, fingerprint, weights_checksum
-from .transport import MpiTransport, NcclTransport, make_transport, nccl_unusable
+from .transport import (
+    DeviceBuckets,
+    MpiTransport,
+    NcclTransport,
+    make_transport,
+    nccl_unusable,
+)
 
 __all__ = [
     "ABORT_GRACE", "EXIT_ERROR", "EXIT_TIMEOUT", "MIB", "SETUP_TIMEOUT_MIN", "Bucket",
-    "Communicator", "DistSettings", "Distributed", "DistributedTrainer", "GradientReducer",
+    "Communicator", "DeviceBuckets", "DistSettings", "Distributed", "DistributedTrainer",
+    "GradientReducer",
     "MpiTransport", "NcclTransport", "ShardedBatches", "bind_device", "fingerprint",
     "import_mpi", "make_transport", "nccl_unusable", "plan_buckets", "start",
     "weights_checksum", "world",
