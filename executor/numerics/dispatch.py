@@ -67,13 +67,8 @@ class Numerics:
         """Convert the weights of ``generation`` (a ``gpu_gemm.WeightGeneration`` the trainer
         bumps) for the emulated alternate once per generation; False where nothing is
         converted (the CPU kernels, rocBLAS's own alternate)."""
-        if not hasattr(self._kernels, "weight_cache") or getattr(
-                self._kernels, "native_alternate", False):
-            return False
-        from .gpu_gemm import ConvertedWeights  # noqa: PLC0415 - CuPy paths only
-
-        self._kernels.weight_cache = ConvertedWeights(generation)
-        return True
+        cache_weights = getattr(self._kernels, "cache_weights", None)
+        return bool(cache_weights is not None and cache_weights(generation))
 
     def backward_pass(self) -> AbstractContextManager:
         """Context manager for nodes carrying ``__backwardpass=1``."""

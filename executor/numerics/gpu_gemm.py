@@ -429,6 +429,14 @@ class CupyFp16Gemm:
             out = out.astype(self.cp.float16)
         return out, (self.count_subnormals(out) if count_output else None)
 
+    def cache_weights(self, generation: WeightGeneration) -> bool:
+        """Convert the weights of ``generation`` once per generation (False: rocBLAS's own
+        alternate converts nothing)."""
+        if self.native_alternate:
+            return False
+        self.weight_cache = ConvertedWeights(generation)
+        return True
+
     def _flushed_operand(self, x):
         if self.weight_cache is None:
             return self.flush_subnormals(x)

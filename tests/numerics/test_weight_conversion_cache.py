@@ -12,10 +12,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from graphopt.executor.numerics import fp16_bits
+from graphopt.executor.numerics import Numerics, fp16_bits
 from graphopt.executor.numerics.gpu_gemm import (
     CUDA_R_32F,
-    ConvertedWeights,
     CupyFp16Gemm,
     WeightGeneration,
 )
@@ -71,7 +70,7 @@ def test_weights_are_converted_once_per_generation_with_the_same_bits():
 
     cached, conversions = _gemm()
     generation = WeightGeneration()
-    cached.weight_cache = ConvertedWeights(generation)
+    assert cached.cache_weights(generation)
     generation.bump([weight])
     got = [cached.alternate(x, weight, RNZ)[0] for x in xs]
     got += [cached.alternate(dy, weight.T, RNZ)[0] for dy in dys]
@@ -91,7 +90,7 @@ def test_an_in_place_update_is_seen_after_bump_and_only_then():
     x = rng.standard_normal((3, 4)).astype(np.float16)
     gemm, _ = _gemm()
     generation = WeightGeneration()
-    gemm.weight_cache = ConvertedWeights(generation)
+    assert gemm.cache_weights(generation)
     generation.bump([weight])
     before = gemm.alternate(x, weight, TRUNCATE)[0]
     weight *= np.float16(2)   # the optimizer's in-place update: same object, same pointer
@@ -108,7 +107,7 @@ def test_an_in_place_update_is_seen_after_bump_and_only_then():
 def test_arrays_that_are_not_weights_are_never_cached():
     gemm, conversions = _gemm()
     generation = WeightGeneration()
-    gemm.weight_cache = ConvertedWeights(generation)
+    assert gemm.cache_weights(generation)
     generation.bump([np.ones((2, 2), np.float16)])
     a = np.ones((3, 4), np.float16)
     b = np.ones((4, 2), np.float16)
@@ -125,7 +124,7 @@ def test_the_emulated_mi200_flush_of_a_weight_is_cached_too():
     want = [plain.original_mi200(x, weight)[0] for x in xs]
     gemm, conversions = _gemm()
     generation = WeightGeneration()
-    gemm.weight_cache = ConvertedWeights(generation)
+    assert gemm.cache_weights(generation)
     generation.bump([weight])
     got = [gemm.original_mi200(x, weight)[0] for x in xs]
     # each x once, the weight once, each output once
@@ -133,3 +132,10 @@ def test_the_emulated_mi200_flush_of_a_weight_is_cached_too():
     assert (gemm.weight_cache.hits, gemm.weight_cache.misses) == (2, 1)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g.view(np.uint16), w.view(np.uint16))
+
+
+def test_numerics_hands_the_generation_to_the_gpu_kernels_only():
+    assert Numerics("native", xp=np).cache_weights(WeightGeneration()) is False   # NumPy
+    gemm, _ = _gemm()
+    gemm.native_alternate = True   # rocBLAS's own alternate (gfx90a): nothing to convert
+    assert gemm.cache_weights(WeightGeneration()) is False and gemm.weight_cache is None
