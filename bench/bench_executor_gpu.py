@@ -5,7 +5,8 @@ FP16 training step of a transformer block, each side by side with its peer in on
   against ``cupy.matmul`` on 2-D FP16 of the same size, the fastest FP16 GEMM CuPy has (its
   N-D matmul upcasts FP16 to SGEMM, so it is no peer for the batched rows). Rows: 2-D and
   3-D batched "original" (target >= 90% at n = 8192), the emulated "alternate" (target >= 85%
-  at n = 8192, >= 75% at B*S = 16384 x 2048 x 2048).
+  at n = 8192, >= 75% at B*S = 16384 x 2048 x 2048), also with the weight's BF16 conversion
+  cached (``Numerics.cache_weights``: converted once per training step, not once per GEMM).
 - Training step: a Falcon-style block (LayerNorm, multi-query attention with the fused qkv
   split, GELU MLP, parallel residual) exported by PyTorch in FP16, turned into a training graph
   by graphopt and optimized, run by the executor (forward + backward, parameter gradients) vs
@@ -54,12 +55,16 @@ def gemm_rows(cupy, sizes, repeats):
     """(label, peer TFLOP/s, executor TFLOP/s, ratio) per row; the peer is cupy.matmul on
     2-D FP16 operands of the same M x K x N (per batch entry for the batched rows)."""
     from graphopt.executor.gemm import matmul
-    from graphopt.executor.numerics import Fp16Policy, Numerics
+    from graphopt.executor.numerics import Fp16Policy, Numerics, WeightGeneration
 
-    def ctx(gemm):
+    def ctx(gemm, cached=None):
         class Ctx:
             xp = cupy
             numerics = Numerics("native", Fp16Policy(gemm=gemm), xp=cupy)
+        if cached is not None:   # a weight read by many GEMMs of one step: converted once
+            generation = WeightGeneration()
+            Ctx.numerics.cache_weights(generation)
+            generation.bump([cached])
         return Ctx
 
     def fp16(*shape):
@@ -70,8 +75,12 @@ def gemm_rows(cupy, sizes, repeats):
         cases.append((f"2-D {n}^3, original", (n, n), (n, n), "original", 1))
         cases.append((f"3-D 4x{n}^3, original", (4, n, n), (4, n, n), "original", 4))
         cases.append((f"2-D {n}^3, alternate (emulated)", (n, n), (n, n), "alternate", 1))
+        cases.append((f"2-D {n}^3, alternate (emulated), weight conversion cached",
+                      (n, n), (n, n), "alternate+cache", 1))
     cases.append(("16384x2048x2048, alternate (emulated)", (16384, 2048), (2048, 2048),
                   "alternate", 1))
+    cases.append(("16384x2048x2048, alternate (emulated), weight conversion cached",
+                  (16384, 2048), (2048, 2048), "alternate+cache", 1))
     cases.append(("MQA scores 8x16 heads x512x64 @ shared K, original", (8, 16, 512, 64),
                   (8, 1, 64, 512), "original", 8 * 16))
     rows = []
@@ -82,7 +91,7 @@ def gemm_rows(cupy, sizes, repeats):
         flops = 2 * m * k * n * count
         a2, b2 = fp16(m, k), fp16(k, n)
         peer = timed(lambda a2=a2, b2=b2: cupy.matmul(a2, b2), cupy, repeats) / count
-        context = ctx(gemm)
+        context = ctx("alternate", b) if gemm == "alternate+cache" else ctx(gemm)
         ours = timed(lambda a=a, b=b, c=context: matmul(c, a, b), cupy, repeats)
         rows.append((label, flops / count / peer / 1e12, flops / ours / 1e12, peer * count / ours))
     return rows

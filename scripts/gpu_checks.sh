@@ -6,8 +6,9 @@
 # (--system-site-packages), runs the GPU test files by name (so no test module that needs
 # hypothesis or onnxruntime is ever imported), then both GPU benchmarks. Writes, to $OUT (the
 # device tool's output folder) or ./gpu-results: summary.json (one object: every step's exit
-# code and seconds, pytest counts and failures, the device), pytest_gpu.txt/.xml, the two
-# benchmark logs and RESULTS.md with their sections.
+# code and seconds, pytest counts and failures, the device, the device->host copies per
+# training step, the GEMM ratios), pytest_gpu.txt/.xml, the two benchmark logs and RESULTS.md
+# with their sections.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-$PWD/gpu-results}"
@@ -42,7 +43,10 @@ if [ "${rc[device]}" = 0 ]; then
   step pytest_gpu 240 "$py" -m pytest -q -p no:cacheprovider --junitxml="$out/pytest_gpu.xml" \
       tests/numerics/test_gpu.py tests/executor/test_gpu.py tests/executor/test_cupy_api.py \
       tests/numerics/test_gemm_plan.py tests/train/test_fused_adamw.py tests/train/test_device_resident.py \
+      tests/executor/test_device_transfers.py tests/numerics/test_weight_conversion_cache.py \
       "tests/distributed/test_distributed.py::test_nccl_transport_single_rank_allreduce"
+  # device->host copies per data-parallel step on the device (CUPTI via torch.profiler)
+  step gpu_transfers 120 "$py" scripts/gpu_transfers.py
   step bench_fp16_gemm 60 "$py" bench/bench_fp16_gemm.py
   step bench_executor_gpu 150 "$py" bench/bench_executor_gpu.py
   cp bench/RESULTS.md "$out/RESULTS.md"
@@ -68,6 +72,16 @@ if os.path.exists(xml):
               for case in suite.iter("testcase")
               if case.find("failure") is not None or case.find("error") is not None]
     summary["pytest"] = {**counts, "failed": failed}
+transfers = os.path.join(out, "gpu_transfers.txt")
+if os.path.exists(transfers):   # its last line is one JSON object
+    lines = [line for line in open(transfers).read().splitlines() if line.startswith("{")]
+    summary["transfers"] = json.loads(lines[-1]) if lines else None
+bench = os.path.join(out, "bench_executor_gpu.txt")
+if os.path.exists(bench):   # the GEMM rows' ratios against cupy.matmul 2-D (targets in the bench)
+    summary["gemm_ratios"] = {
+        cells[1]: cells[4] for line in open(bench).read().splitlines()
+        if line.startswith("| ") and len(cells := [c.strip() for c in line.split("|")]) >= 6
+        and cells[4].endswith("%")}
 ok = all(step["rc"] == 0 for name, step in steps.items() if isinstance(step, dict))
 summary["ok"] = ok
 with open(os.path.join(out, "summary.json"), "w") as handle:

@@ -13,6 +13,7 @@ Modules:
 
 from .device import device_info_for, resolve_mode
 from .dispatch import Numerics
+from .gpu_gemm import WeightGeneration
 from .guard import BackwardPassGuard
 from .policy import (
     ALTERNATE,
@@ -38,6 +39,7 @@ __all__ = [
     "TRUNCATE",
     "BackwardPassGuard",
     "Fp16EnvWarning",
+    "WeightGeneration",
     "Fp16Policy",
     "Numerics",
     "device_info_for",

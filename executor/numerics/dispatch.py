@@ -63,6 +63,13 @@ class Numerics:
         self._kernels = _kernels_for(xp, native_alternate=is_mi200_hardware(device_info))
         self._stats = DenormalStats() if collect_stats else None
 
+    def cache_weights(self, generation) -> bool:
+        """Convert the weights of ``generation`` (a ``gpu_gemm.WeightGeneration`` the trainer
+        bumps) for the emulated alternate once per generation; False where nothing is
+        converted (the CPU kernels, rocBLAS's own alternate)."""
+        cache_weights = getattr(self._kernels, "cache_weights", None)
+        return bool(cache_weights is not None and cache_weights(generation))
+
     def backward_pass(self) -> AbstractContextManager:
         """Context manager for nodes carrying ``__backwardpass=1``."""
         return BackwardPassGuard()

@@ -312,6 +312,59 @@ def _load_rocblas():
 
 
 # -- the implementations -------------------------------------------------------------------------
+class WeightGeneration:
+    """The weights a trainer feeds, and a count it bumps whenever they may have changed.
+
+    The optimizer updates weights in place (same object, same pointer), so a cache of
+    converted weights must not trust an address: it keeps what it converted only while
+    ``value`` is unchanged. ``bump(weights)`` starts a generation with the arrays that are
+    weights in it (the trainer calls it before each step's run); only those, and views of
+    them (``w.T``), are cached: activations' memory is reused at the same address."""
+
+    def __init__(self):
+        self.value = 0
+        self.weights: tuple = ()
+
+    def bump(self, weights=()) -> None:
+        self.value += 1
+        self.weights = tuple(weights)
+
+
+class ConvertedWeights:
+    """Conversions of weights (FP16 -> BF16 bits for the emulated alternate, the subnormal
+    flush for the emulated MI200 original), each made once per :class:`WeightGeneration`:
+    a weight read by several GEMMs of a step is converted once per layout and kind."""
+
+    def __init__(self, generation: WeightGeneration):
+        self.generation = generation
+        self._value = None
+        self._entries: dict = {}
+        self.hits = self.misses = 0
+
+    def get(self, x, kind, convert):
+        generation = self.generation
+        if self._value != generation.value:   # the weights may have changed: forget all
+            self._entries.clear()
+            self._value = generation.value
+        owner = next((w for w in generation.weights if x is w or x.base is w), None)
+        if owner is None:
+            return convert(x)
+        key = (id(owner), _address(x), x.shape, x.strides, kind)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0] is owner:
+            self.hits += 1
+            return entry[1]
+        self.misses += 1
+        converted = convert(x)
+        self._entries[key] = (owner, converted)   # holding the owner keeps its id unique
+        return converted
+
+
+def _address(x) -> int:
+    data = x.data
+    return data.ptr if hasattr(data, "ptr") else x.__array_interface__["data"][0]
+
+
 class CupyFp16Gemm:
     """FP16 GEMM implementations for one CuPy module (kernels compiled lazily by CuPy).
 
@@ -325,6 +378,7 @@ class CupyFp16Gemm:
         self.native_alternate = bool(native_alternate and self.is_hip)
         self._rocblas = None
         self._cublas = None
+        self.weight_cache: ConvertedWeights | None = None   # see Numerics.cache_weights
         self._to_bf16 = cupy.ElementwiseKernel(
             "uint16 x, int32 rnz", "uint16 y", _TO_BF16_BODY, "graphopt_fp16_to_bf16_bits"
         )
@@ -358,7 +412,7 @@ class CupyFp16Gemm:
         return out, (self.count_subnormals(out) if count_output else None)
 
     def original_mi200(self, a, b, count_output=False):
-        out = self.matmul(self.flush_subnormals(a), self.flush_subnormals(b),
+        out = self.matmul(self._flushed_operand(a), self._flushed_operand(b),
                           CUDA_R_16F, CUDA_R_16F)
         before_flush = self.count_subnormals(out) if count_output else None
         return self.flush_subnormals(out), before_flush
@@ -370,10 +424,29 @@ class CupyFp16Gemm:
                 flags |= ROCBLAS_GEMM_FLAGS_FP16_ALT_IMPL_RNZ
             out = self.matmul(a, b, CUDA_R_16F, CUDA_R_16F, flags)
         else:
-            out = self.matmul(self.fp16_to_bf16_bits(a, rounding),
-                              self.fp16_to_bf16_bits(b, rounding), CUDA_R_16BF, CUDA_R_32F)
+            out = self.matmul(self._bf16_operand(a, rounding), self._bf16_operand(b, rounding),
+                              CUDA_R_16BF, CUDA_R_32F)
             out = out.astype(self.cp.float16)
         return out, (self.count_subnormals(out) if count_output else None)
+
+    def cache_weights(self, generation: WeightGeneration) -> bool:
+        """Convert the weights of ``generation`` once per generation (False: rocBLAS's own
+        alternate converts nothing)."""
+        if self.native_alternate:
+            return False
+        self.weight_cache = ConvertedWeights(generation)
+        return True
+
+    def _flushed_operand(self, x):
+        if self.weight_cache is None:
+            return self.flush_subnormals(x)
+        return self.weight_cache.get(x, "flush", self.flush_subnormals)
+
+    def _bf16_operand(self, x, rounding):
+        if self.weight_cache is None:
+            return self.fp16_to_bf16_bits(x, rounding)
+        return self.weight_cache.get(x, rounding,
+                                     lambda v: self.fp16_to_bf16_bits(v, rounding))
 
     # -- one GEMM, any rank ---------------------------------------------------------------
 

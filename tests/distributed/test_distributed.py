@@ -216,7 +216,8 @@ def test_distributed_options_need_distributed(files):
 
 @pytest.mark.gpu
 def test_nccl_transport_single_rank_allreduce():
-    """The CuPy NCCL path with one rank (bucket sum == itself, divided, finite flag)."""
+    """The CuPy NCCL path with one rank, float32 and FP16 buckets (bucket sum == itself,
+    divided in float32 on the device, finite flag on the device)."""
     cupy = pytest.importorskip("cupy")
     from cupy.cuda import nccl  # imports even without libnccl: ``available`` says
 
@@ -232,10 +233,12 @@ def test_nccl_transport_single_rank_allreduce():
         "from graphopt.trainer import distributed as d\n"
         "comm = d.world(30)\n"
         "t = d.NcclTransport(comm, select_backend('auto'))\n"
-        "b = t.buffer(6); t.stage(b, 0, cupy.arange(6, dtype=cupy.float16))\n"
-        "h = t.start(b); comm.wait(lambda: t.done([h]), 1, 'test')\n"
-        "host, ok = t.finish(b, 2.0)\n"
-        "assert ok and np.allclose(host, np.arange(6) / 2), host\n"
+        "for dtype in (np.float32, np.float16):\n"
+        "    b = t.buffer(6, dtype); t.stage(b, 0, cupy.arange(6, dtype=cupy.float16))\n"
+        "    h = t.start(b); comm.wait(lambda: t.done([h]), 1, 'test')\n"
+        "    grads, ok = t.finish(b, 2.0)\n"
+        "    assert isinstance(grads, cupy.ndarray) and grads.dtype == np.float32\n"
+        "    assert bool(ok) and np.allclose(grads.get(), np.arange(6) / 2), grads\n"
         "print('ok', t.name)\n")
     done = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True,
                           timeout=120)

@@ -22,7 +22,7 @@ class RecordingTransport:
 
     name = "recording"
 
-    def buffer(self, size):
+    def buffer(self, size, dtype=np.float32):
         return np.zeros(size, np.float32)
 
     def stage(self, buffer, offset, value):

@@ -12,6 +12,7 @@ arguments to CuPy's real signature.
 from __future__ import annotations
 
 import inspect
+import traceback
 import types
 
 import numpy as np
@@ -36,12 +37,77 @@ UFUNC_KWARGS = {"out", "dtype", "casting"}  # what cupy.ufunc.__call__ accepts
 
 
 class Recorder:
-    def __init__(self):
+    def __init__(self, device_arrays: bool = False):
         self.calls: set[tuple[str, int, frozenset[str]]] = set()
         self.attributes: set[str] = set()
+        self.device_arrays = device_arrays
+        self.reads: list[str] = []   # device->host copies of DeviceArrays, where they happened
 
     def call(self, path, args, kwargs):
         self.calls.add((path, len(args), frozenset(kwargs)))
+
+
+class DeviceArray(np.ndarray):
+    """A NumPy array standing for a CuPy array (``RecordingXp(device_arrays=True)``): what
+    CuPy copies to the host, it counts in its recorder's ``reads`` (``get()``, ``item()``,
+    ``tolist()``, ``float()``/``int()``/``bool()``/``operator.index``), naming the caller.
+    Full reductions and scalar indexing give 0-d arrays, as CuPy's do (no copy yet)."""
+
+    recorder: Recorder | None = None
+
+    def __array_finalize__(self, obj):
+        if self.recorder is None:
+            self.recorder = getattr(obj, "recorder", None)
+
+    def __array_wrap__(self, obj, context=None, return_scalar=False):
+        return super().__array_wrap__(obj, context, False)
+
+    def __getitem__(self, key):
+        value = super().__getitem__(key)
+        return _on_device(value, self.recorder) if isinstance(value, np.generic) else value
+
+    def _read(self, how):
+        if self.recorder is not None:
+            callers = traceback.extract_stack(limit=6)[:-2]   # innermost last
+            self.recorder.reads.append(how + " in " + " < ".join(
+                f"{f.name} ({f.filename.rsplit('/', 1)[-1]}:{f.lineno})"
+                for f in reversed(callers)))
+        return self.view(np.ndarray)
+
+    def get(self):
+        return self._read("get()").copy()
+
+    def item(self, *args):
+        return self._read("item()").item(*args)
+
+    def tolist(self):
+        return self._read("tolist()").tolist()
+
+    def __float__(self):
+        return float(self._read("float()"))
+
+    def __int__(self):
+        return int(self._read("int()"))
+
+    def __bool__(self):
+        return bool(self._read("bool()"))
+
+    def __index__(self):
+        return self._read("index").__index__()
+
+
+def _on_device(value, recorder):
+    """A result of an ``xp`` call as CuPy would give it: arrays (and NumPy scalars, as 0-d
+    arrays) become DeviceArrays."""
+    if isinstance(value, DeviceArray):
+        return value
+    if isinstance(value, (np.ndarray, np.generic)):
+        array = np.asarray(value).view(DeviceArray)
+        array.recorder = recorder
+        return array
+    if isinstance(value, (tuple, list)):
+        return type(value)(_on_device(v, recorder) for v in value)
+    return value
 
 
 class _Function:
@@ -50,7 +116,10 @@ class _Function:
 
     def __call__(self, *args, **kwargs):
         self._recorder.call(self._path, args, kwargs)
-        return self._fn(*args, **kwargs)
+        result = self._fn(*args, **kwargs)
+        if self._recorder.device_arrays:
+            result = _on_device(result, self._recorder)
+        return result
 
 
 class _Ufunc(_Function):
@@ -88,12 +157,14 @@ class _Special:
 
 
 class RecordingXp(_Namespace):
-    """``numpy`` under the name ``cupy_api_recorder``, recording every call."""
+    """``numpy`` under the name ``cupy_api_recorder``, recording every call.
+    ``device_arrays``: the arrays its calls return are :class:`DeviceArray` s, which count
+    their reads back to the host (``recorder.reads``)."""
 
     __name__ = "cupy_api_recorder"
 
-    def __init__(self):
-        super().__init__(np, "", Recorder())
+    def __init__(self, device_arrays: bool = False):
+        super().__init__(np, "", Recorder(device_arrays))
         self.scipy_special = _Special(self._recorder)
 
     @property

@@ -9,9 +9,12 @@ What each rank does, per step:
   (seed, epoch)); ``--batch-size B`` is the *global* batch and rank ``r`` takes rows
   ``[r*B/N, (r+1)*B/N)`` of every global batch, so N ranks with B/N each see exactly the
   samples one rank with B sees (:class:`ShardedBatches`);
-- gradients: flattened into a few contiguous float32 buckets (``--bucket-mb``, 25 MiB by
-  default, filled in the order the backward pass produces the gradients) and summed with one
-  all-reduce per bucket, then divided by N (and by the loss scale). With overlap on (the
+- gradients: flattened into a few contiguous buckets (``--bucket-mb``, 25 MiB by default,
+  filled in the order the backward pass produces the gradients) and summed with one
+  all-reduce per bucket, then divided by N (and by the loss scale): float32 on the host over
+  MPI; on the GPU with NCCL, in the gradients' own dtype (FP16 under mixed/fp16 precision,
+  pre-divided by N as PyTorch DDP does: see ``transport``), and nothing but one small array
+  (losses and finite flag) comes back to the host per step. With overlap on (the
   default) a bucket's non-blocking all-reduce starts inside the executor run, right after
   the node producing its last gradient, while the rest of the backward pass computes
   (through ``Session.run(on_step=...)``, see :class:`GradientReducer`);
@@ -65,11 +68,18 @@ from .job import (
 )
 from .sharding import ShardedBatches
 from .trainer import DistributedTrainer, fingerprint, weights_checksum
-from .transport import MpiTransport, NcclTransport, make_transport, nccl_unusable
+from .transport import (
+    DeviceBuckets,
+    MpiTransport,
+    NcclTransport,
+    make_transport,
+    nccl_unusable,
+)
 
 __all__ = [
     "ABORT_GRACE", "EXIT_ERROR", "EXIT_TIMEOUT", "MIB", "SETUP_TIMEOUT_MIN", "Bucket",
-    "Communicator", "DistSettings", "Distributed", "DistributedTrainer", "GradientReducer",
+    "Communicator", "DeviceBuckets", "DistSettings", "Distributed", "DistributedTrainer",
+    "GradientReducer",
     "MpiTransport", "NcclTransport", "ShardedBatches", "bind_device", "fingerprint",
     "import_mpi", "make_transport", "nccl_unusable", "plan_buckets", "start",
     "weights_checksum", "world",

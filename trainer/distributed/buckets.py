@@ -1,5 +1,6 @@
-"""Gradient bucketing: the gradients packed into a few contiguous float32 buckets in the order
-the backward pass produces them, each all-reduced as soon as its last gradient exists."""
+"""Gradient bucketing: the gradients packed into a few contiguous buckets (float32 on the host
+for MPI; on the device in the gradients' own dtype for NCCL) in the order the backward pass
+produces them, each all-reduced as soon as its last gradient exists."""
 from __future__ import annotations
 
 import math
@@ -28,9 +29,11 @@ class Bucket:
 
 
 def plan_buckets(params: Sequence[str], shapes: Mapping[str, tuple],
-                 produced_at: Mapping[str, float], bucket_bytes: int) -> list[Bucket]:
+                 produced_at: Mapping[str, float], bucket_bytes: int,
+                 itemsize: int = 4) -> list[Bucket]:
     """Parameters in the order their gradients are produced (ties: model order), packed
-    greedily into buckets of at most ``bucket_bytes`` float32 bytes (a larger gradient gets a
+    greedily into buckets of at most ``bucket_bytes`` bytes of ``itemsize``-byte elements
+    (a larger gradient gets a
     bucket of its own; gradients no planned step produces get buckets of their own, so they
     do not hold back the others); a bucket is ready when its last gradient is produced."""
     order = sorted(params, key=lambda p: (produced_at.get(p, math.inf), params.index(p)))
@@ -39,7 +42,7 @@ def plan_buckets(params: Sequence[str], shapes: Mapping[str, tuple],
     for name in order:
         size = int(np.prod(shapes[name], dtype=np.int64))
         late = produced_at.get(name, math.inf) == math.inf   # filled after the run
-        if current is None or (current.numel and (current.numel + size) * 4 > bucket_bytes) \
+        if current is None or (current.numel and (current.numel + size) * itemsize > bucket_bytes) \
                 or (late and current.ready_at != math.inf):
             current = Bucket([], [], [], [], 0, -math.inf)
             buckets.append(current)
@@ -77,17 +80,23 @@ class GradientReducer:
                     produced.setdefault(out, index)
         produced_at = {p: produced.get(g, math.inf) for p, g in self.grad_of.items()}
         shapes = {p: trainer.params[p].shape for p in graph.params}
-        self.buckets = plan_buckets(list(graph.params), shapes, produced_at, bucket_bytes)
+        # the gradients come in the compute dtype; a device transport keeps it (FP16 buckets
+        # under mixed/fp16 precision), MPI sums float32
+        grad_dtype = np.dtype(getattr(trainer, "compute_dtype", np.float32))
+        bucket_dtype = getattr(transport, "bucket_dtype", lambda _: np.dtype(np.float32))
+        self.dtype = np.dtype(bucket_dtype(grad_dtype))
+        self.buckets = plan_buckets(list(graph.params), shapes, produced_at, bucket_bytes,
+                                    self.dtype.itemsize)
         self.slots: dict[str, list[tuple[Bucket, int, int]]] = {}
         for bucket in self.buckets:
-            bucket.buffer = transport.buffer(bucket.numel)
+            bucket.buffer = transport.buffer(bucket.numel, self.dtype)
             for name, offset, size in zip(bucket.params, bucket.offsets, bucket.sizes,
                                           strict=True):
                 self.slots.setdefault(self.grad_of[name], []).append((bucket, offset, size))
         self.active = False
         self.pending: list = []
         self.launched = self.launched_in_backward = 0   # bucket all-reduces, all / overlapped
-        self.gradient_bytes = sum(b.numel for b in self.buckets) * 4
+        self.gradient_bytes = sum(b.numel for b in self.buckets) * self.dtype.itemsize
         # what to do after plan step i: stage (output position, gradient), start buckets
         self.taps: dict[int, list[tuple[int, str]]] = {}
         self.ready: dict[int, list[Bucket]] = {}
@@ -163,15 +172,19 @@ class GradientReducer:
                        f"the gradient all-reduce ({len(self.buckets)} bucket(s), "
                        f"{self.transport.name})")
 
-    def gradients(self, divisor: float) -> tuple[dict[str, np.ndarray], bool]:
+    def gradients(self, divisor: float) -> tuple[dict[str, np.ndarray], object]:
         """Averaged, unscaled float32 gradients (views of the buckets) and their finiteness
-        on this rank."""
+        on this rank: a bool for a host transport; for a device transport the gradients stay
+        on the device and the flag is a device bool not yet read back."""
         grads: dict[str, np.ndarray] = {}
-        finite = True
+        flags = []
         for bucket in self.buckets:
-            host, ok = self.transport.finish(bucket.buffer, divisor)
-            finite = finite and ok
+            summed, ok = self.transport.finish(bucket.buffer, divisor)
+            flags.append(ok)
             for name, offset, size, shape in zip(bucket.params, bucket.offsets, bucket.sizes,
                                                  bucket.shapes, strict=True):
-                grads[name] = host[offset:offset + size].reshape(shape)
-        return grads, finite
+                grads[name] = summed[offset:offset + size].reshape(shape)
+        if flags and getattr(self.transport, "device_resident", False):
+            xp = self.transport.xp
+            return grads, xp.all(xp.stack([xp.reshape(f, (1,)) for f in flags]))
+        return grads, all(flags)

@@ -32,7 +32,7 @@ ABORT_GRACE = 0.5           # seconds between the error message and MPI_Abort
 
 @dataclass
 class DistSettings:
-    bucket_mb: float = 25.0         # MiB of float32 gradients per all-reduce bucket
+    bucket_mb: float = 25.0         # MiB of gradients per all-reduce bucket (bucket dtype)
     timeout: float = 300.0          # seconds any collective may wait for the other ranks
     check_every: int = 0            # compare weight checksums every K steps (0: never)
     overlap: bool = True            # start bucket all-reduces during the backward pass

@@ -9,9 +9,11 @@ from collections.abc import Mapping
 import numpy as np
 
 from graphopt.errors import GraphoptError
+from graphopt.executor.numerics import WeightGeneration
 
 from .. import checkpoint as ckpt
 from ..loop import Trainer
+from ..optimizers import to_host
 from .buckets import GradientReducer
 from .job import MIB, SETUP_TIMEOUT_MIN, Communicator, DistSettings
 from .transport import make_transport
@@ -28,21 +30,40 @@ def fingerprint(trainer: Trainer, scaler_spec) -> str:
 
 
 def weights_checksum(params: Mapping[str, np.ndarray]) -> int:
+    """CRC32 of all weights (device weights are read back: ``--dist-check-every`` steps
+    only)."""
     crc = 0
     for value in params.values():
-        crc = zlib.crc32(np.ascontiguousarray(value).view(np.uint8), crc)
+        crc = zlib.crc32(np.ascontiguousarray(to_host(value)).view(np.uint8), crc)
     return crc
 
 
 class DistributedTrainer(Trainer):
-    """:class:`~..loop.Trainer` with the data-parallel hooks; rank 0 writes checkpoints."""
+    """:class:`~..loop.Trainer` with the data-parallel hooks; rank 0 writes checkpoints.
 
-    weights_on_device = False  # buckets, broadcasts and checksums work on host weights
+    With a device transport (NCCL/RCCL) the weights, gradients, buckets and optimizer state
+    stay on the GPU, as in a single-GPU run: a step reads back one small array, the losses
+    and this rank's finite flag together (:meth:`_reduce_on_device`), then agrees on them over
+    MPI. With MPI the buckets are summed through the host and the weights stay there."""
 
-    def __init__(self, *args, comm: Communicator, dist: DistSettings, **kwargs):
+    weights_on_device = False  # decided once the transport is known (see __init__)
+
+    def __init__(self, *args, comm: Communicator, dist: DistSettings, transport=None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.comm, self.dist = comm, dist
-        self.transport = make_transport(comm, self.session.backend)
+        # ``transport``: chosen by make_transport unless given (tests hand in their own)
+        self.transport = transport or make_transport(comm, self.session.backend)
+        if getattr(self.transport, "device_resident", False) \
+                and getattr(self.session.backend, "is_gpu", False):
+            self._on_device = True
+            self.params = self._placed(self.params)
+        self._device_step: tuple | None = None   # (scale, gradients, finite) of this step
+        # the emulated FP16 alternate converts each weight once per step, not once per GEMM
+        self.weight_generation = WeightGeneration()
+        numerics = self.session.numerics
+        if hasattr(numerics, "cache_weights"):
+            numerics.cache_weights(self.weight_generation)
         self.reducer = GradientReducer(self, comm, self.transport,
                                        max(1, int(dist.bucket_mb * MIB)), dist.overlap)
         self._agreed_stop = False
@@ -72,10 +93,12 @@ class DistributedTrainer(Trainer):
 
     def broadcast_weights(self) -> None:
         for name, value in self.params.items():
-            if not value.flags.c_contiguous:
-                value = self.params[name] = np.ascontiguousarray(value)
-            self.comm.bcast_array(value, self.step, "the broadcast of rank 0's weights",
+            host = to_host(value) if self._on_device else value   # once, at the start
+            if not host.flags.c_contiguous:
+                host = np.ascontiguousarray(host)
+            self.comm.bcast_array(host, self.step, "the broadcast of rank 0's weights",
                                   self.setup_timeout)
+            self.params[name] = self._placed({name: host})[name]
 
     def _read_checkpoint(self, directory: str) -> ckpt.Checkpoint:
         state: object
@@ -99,16 +122,48 @@ class DistributedTrainer(Trainer):
 
     # -- a step ---------------------------------------------------------------------------
     def _run_graph(self, feeds: dict) -> dict:
+        # a new generation each step: the optimizer updated the weights in place since
+        self.weight_generation.bump([feeds[name] for name in self.params if name in feeds])
         self.reducer.begin()
         try:
-            return self.session.run(feeds, self.fetches, on_step=self.reducer.step_hook)
+            out = self.session.run(feeds, self.fetches, on_step=self.reducer.step_hook,
+                                   to_host=not self._on_device)
         finally:
             self.reducer.end()
+        return self._reduce_on_device(out) if self._on_device else out
+
+    def _reduce_on_device(self, out: dict) -> dict:
+        """Finish the device all-reduces, unscale on the device, and read back the losses and
+        this rank's finite flag as one array: the step's only device->host copy. The losses
+        come back as host arrays of their own dtype and shape (exact through float64)."""
+        xp = self.session.backend.xp
+        scale = self.scaler.scale   # the scale this step was fed (train_step read the same)
+        self.reducer.finish(out, self.step + 1)
+        grads, finite = self.reducer.gradients(self.comm.size * scale)
+        losses = [out[name] for name in self.graph.losses]
+        packed = xp.concatenate([xp.reshape(v, (-1,)).astype(np.float64) for v in losses]
+                                + [xp.reshape(finite, (1,)).astype(np.float64)])
+        host = self.session.backend.to_host(packed)
+        out = dict(out)
+        position = 0
+        for name, value in zip(self.graph.losses, losses, strict=True):
+            out[name] = host[position:position + value.size].astype(value.dtype).reshape(
+                value.shape)
+            position += value.size
+        self._device_step = (scale, grads, bool(host[-1]))
+        return out
 
     def _gradients(self, out, scale, loss):
         step = self.step + 1
-        self.reducer.finish(out, step)
-        grads, finite = self.reducer.gradients(self.comm.size * scale)
+        if self._on_device:
+            done, self._device_step = self._device_step, None
+            if done is None or done[0] != scale:
+                raise GraphoptError("internal error: the device all-reduce did not run for "
+                                    "this step with its loss scale")
+            grads, finite = done[1], done[2]
+        else:
+            self.reducer.finish(out, step)
+            grads, finite = self.reducer.gradients(self.comm.size * scale)
         stop = bool(self.stop_flag is not None and self.stop_flag.requested)
         totals = self.comm.allreduce_sum(
             np.array([loss, 0.0 if finite else 1.0, 1.0 if stop else 0.0], np.float64), step,
