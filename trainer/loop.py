@@ -25,6 +25,7 @@ import onnx
 
 from graphopt.errors import GraphoptError, Terminated
 from graphopt.executor import ExecutorError
+from graphopt.executor.numerics import WeightGeneration
 
 from . import checkpoint as ckpt
 from .data import Batches
@@ -203,6 +204,11 @@ class Trainer:
         self._reported: set[str] = set()          # kinds already reported in this process
         self.stop_flag: StopFlag | None = None   # set while run() runs
         self.eval_batches: list[dict] = []        # --eval-data, cut into batches
+        # the emulated FP16 alternate converts each weight once per step, not once per GEMM
+        self.weight_generation = WeightGeneration()
+        numerics = getattr(session, "numerics", None)
+        if hasattr(numerics, "cache_weights"):
+            numerics.cache_weights(self.weight_generation)
 
     # -- setup --------------------------------------------------------------------------------
     def _placed(self, params: dict) -> dict:
@@ -417,7 +423,12 @@ class Trainer:
 
     # -- hooks a distributed trainer overrides (see .distributed) ---------------------------
     def _run_graph(self, feeds: dict) -> dict:
+        self._next_weight_generation(feeds)
         return self.session.run(feeds, self.fetches, to_host=not self._on_device)
+
+    def _next_weight_generation(self, feeds: dict) -> None:
+        """A new generation each step: the optimizer updated the weights in place since."""
+        self.weight_generation.bump([feeds[name] for name in self.params if name in feeds])
 
     def _gradients(self, out: dict, scale: float, loss: float
                    ) -> tuple[float, dict[str, np.ndarray], bool]:

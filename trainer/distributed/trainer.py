@@ -9,7 +9,6 @@ from collections.abc import Mapping
 import numpy as np
 
 from graphopt.errors import GraphoptError
-from graphopt.executor.numerics import WeightGeneration
 
 from .. import checkpoint as ckpt
 from ..loop import Trainer
@@ -59,11 +58,6 @@ class DistributedTrainer(Trainer):
             self._on_device = True
             self.params = self._placed(self.params)
         self._device_step: tuple | None = None   # (scale, gradients, finite) of this step
-        # the emulated FP16 alternate converts each weight once per step, not once per GEMM
-        self.weight_generation = WeightGeneration()
-        numerics = self.session.numerics
-        if hasattr(numerics, "cache_weights"):
-            numerics.cache_weights(self.weight_generation)
         self.reducer = GradientReducer(self, comm, self.transport,
                                        max(1, int(dist.bucket_mb * MIB)), dist.overlap)
         self._agreed_stop = False
@@ -122,8 +116,7 @@ class DistributedTrainer(Trainer):
 
     # -- a step ---------------------------------------------------------------------------
     def _run_graph(self, feeds: dict) -> dict:
-        # a new generation each step: the optimizer updated the weights in place since
-        self.weight_generation.bump([feeds[name] for name in self.params if name in feeds])
+        self._next_weight_generation(feeds)
         self.reducer.begin()
         try:
             out = self.session.run(feeds, self.fetches, on_step=self.reducer.step_hook,
