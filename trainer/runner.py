@@ -215,10 +215,14 @@ def _refuse_copies_without_distributed(opts: RunOptions) -> None:
 
 
 def run(opts: RunOptions, echo: Callable[[str], None] = print, *, progress_stream=None,
-        after_step=None) -> RunOutcome:
+        after_step=None, gradient_reducer: type | None = None) -> RunOutcome:
+    """``gradient_reducer``: a ``distributed.GradientReducer`` subclass for a distributed
+    run (None: the standard one)."""
     _refuse_copies_without_distributed(opts)
     dist = distributed.start(opts.distributed, opts.bucket_mb, opts.dist_timeout,
                              opts.dist_check_every, opts.dist_overlap)
+    if dist is not None and gradient_reducer is not None:
+        dist = dataclasses.replace(dist, reducer_class=gradient_reducer)
     if dist is None:
         return _run(opts, echo, progress_stream, after_step, None)
     if not dist.writer:
@@ -335,7 +339,7 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
     else:
         trainer = distributed.DistributedTrainer(graph, session, batches, optimizer, scaler,
                                                  settings, comm=dist.comm, dist=dist.settings,
-                                                 **common)
+                                                 reducer_class=dist.reducer_class, **common)
         trainer.eval_batches = eval_batches   # every rank evaluates the whole held-out set
         trainer.check_same_settings(distributed.fingerprint(trainer, scaler.state()))
         say(trainer.describe())

@@ -40,34 +40,34 @@ def main() -> None:
             if scenario == "error":
                 raise GraphoptError("injected failure on rank 1")
 
-    if scenario == "overflow" and rank == 1:
-        stage, gradients = distributed.GradientReducer.stage, distributed.GradientReducer.gradients
-        hit = set()
+    class Reducer(distributed.GradientReducer):
+        """The standard reducer, remembered to read its counters at the end; on rank 1 of
+        the overflow scenario it poisons one bucket at step 3 and reports a local overflow
+        at step 6."""
 
-        def poisoned_stage(self, name, value):
-            if current["step"] == 3 and not hit:
-                hit.add(name)
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            REDUCERS.append(self)
+            self.poisoned = False
+
+        def stage(self, name, value):
+            if scenario == "overflow" and rank == 1 and current["step"] == 3 \
+                    and not self.poisoned:
+                self.poisoned = True
                 value = np.full(np.shape(value), np.inf, np.float32)
-            return stage(self, name, value)
+            return super().stage(name, value)
 
-        def local_overflow(self, divisor):
-            grads, finite = gradients(self, divisor)
-            return grads, finite and current["step"] != 6
+        def gradients(self, divisor):
+            grads, finite = super().gradients(divisor)
+            if scenario == "overflow" and rank == 1:
+                finite = finite and current["step"] != 6
+            return grads, finite
 
-        distributed.GradientReducer.stage = poisoned_stage
-        distributed.GradientReducer.gradients = local_overflow
-
-    reducer_init = distributed.GradientReducer.__init__
-
-    def keep(self, *args, **kwargs):   # remember the reducer to read its counters at the end
-        reducer_init(self, *args, **kwargs)
-        REDUCERS.append(self)
-
-    distributed.GradientReducer.__init__ = keep
     outcome = run(RunOptions(model=model, data=data, loss="cross_entropy", steps=9,
                              batch_size=8, optimizer="adamw", lr=0.01, seed=3, device="cpu",
                              loss_scale="dynamic:1024:1000", quiet=True, distributed=True,
-                             dist_timeout=timeout, dist_check_every=1), after_step=after_step)
+                             dist_timeout=timeout, dist_check_every=1), after_step=after_step,
+                  gradient_reducer=Reducer)
     result = outcome.result
     LAUNCHED["all"] = REDUCERS[-1].launched
     LAUNCHED["in_backward"] = REDUCERS[-1].launched_in_backward

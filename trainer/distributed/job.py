@@ -251,6 +251,9 @@ class Distributed:
     """What ``graphopt run`` needs to know about the job."""
     comm: Communicator
     settings: DistSettings
+    # the GradientReducer (sub)class the trainer uses; None: the standard one (a test passes
+    # a subclass that injects faults)
+    reducer_class: type | None = None
 
     @property
     def rank(self) -> int:

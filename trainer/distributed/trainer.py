@@ -48,7 +48,7 @@ class DistributedTrainer(Trainer):
     weights_on_device = False  # decided once the transport is known (see __init__)
 
     def __init__(self, *args, comm: Communicator, dist: DistSettings, transport=None,
-                 **kwargs):
+                 reducer_class: type | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.comm, self.dist = comm, dist
         # ``transport``: chosen by make_transport unless given (tests hand in their own)
@@ -58,8 +58,8 @@ class DistributedTrainer(Trainer):
             self._on_device = True
             self.params = self._placed(self.params)
         self._device_step: tuple | None = None   # (scale, gradients, finite) of this step
-        self.reducer = GradientReducer(self, comm, self.transport,
-                                       max(1, int(dist.bucket_mb * MIB)), dist.overlap)
+        self.reducer = (reducer_class or GradientReducer)(
+            self, comm, self.transport, max(1, int(dist.bucket_mb * MIB)), dist.overlap)
         self._agreed_stop = False
 
     @property
