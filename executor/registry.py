@@ -13,14 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-ONNX_DOMAIN = ""
-MS_DOMAIN = "com.microsoft"
-_DOMAIN_ALIASES = {"ai.onnx": ONNX_DOMAIN}
+from graphopt.vocabulary import MS_DOMAIN, normalize_domain  # noqa: F401 (re-exported)
+from graphopt.vocabulary import STANDARD_DOMAIN as ONNX_DOMAIN
+
 LATEST = 10_000  # "no upper bound" on an opset range
-
-
-def normalize_domain(domain: str) -> str:
-    return _DOMAIN_ALIASES.get(domain, domain)
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-STANDARD_DOMAIN = ""
-MS_DOMAIN = "com.microsoft"
-
-
-def normalize_domain(domain: str) -> str:
-    return STANDARD_DOMAIN if domain in ("", "ai.onnx") else domain
-
+from .vocabulary import MS_DOMAIN, STANDARD_DOMAIN, normalize_domain  # noqa: F401 (re-exported)
 
 _A = onnx.AttributeProto
 # (slicing a repeated field gives a list in one C call, about 2.5x faster than list())

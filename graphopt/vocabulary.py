@@ -1,0 +1,80 @@
+"""The words graphopt shares with ONNX and ONNX Runtime, each spelled once.
+
+Domains, the training graph's YieldOp and backward-pass annotation, the float element types
+and attribute defaults. This is the lowest layer: it imports only onnx, and every other layer
+(rules, graphopt.training, the executor, the trainer) takes these names from here;
+tests/test_vocabulary.py fails when one of the literals is spelled anywhere else.
+"""
+from __future__ import annotations
+
+import functools
+
+import onnx
+
+STANDARD_DOMAIN = ""
+STANDARD_DOMAIN_ALIAS = "ai.onnx"  # the standard domain's other spelling in a model
+MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (FusedMatMul, YieldOp, *Grad)
+
+
+def normalize_domain(domain: str) -> str:
+    return STANDARD_DOMAIN if domain in (STANDARD_DOMAIN, STANDARD_DOMAIN_ALIAS) else domain
+
+
+# ---- training graphs (ONNX Runtime's layout) -----------------------------------------------
+YIELD_OP = "YieldOp"  # com.microsoft: hands the forward outputs over, their gradients back
+# Set to 1 on the YieldOp and every node after it (the backward pass), 0 on forward nodes;
+# ONNX Runtime's ROCm EP runs the marked GEMMs/convs with its FP16 alternate implementation.
+BACKWARD_PASS_ATTRIBUTE = "__backwardpass"
+
+
+def is_yield_op(node) -> bool:
+    """A NodeProto (or anything with op_type and domain) is the training graph's YieldOp."""
+    return node.op_type == YIELD_OP and normalize_domain(node.domain) == MS_DOMAIN
+
+
+# ---- element types ---------------------------------------------------------------------------
+FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
+                         onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
+
+# ---- attribute defaults -------------------------------------------------------------------
+# The onnx package ships the standard schemas only; ONNX Runtime's contrib schemas
+# (onnxruntime/core/graph/contrib_ops/contrib_defs.cc) for the com.microsoft ops whose
+# defaults graphopt reads:
+_MS_DEFAULTS = {
+    "FusedMatMul": {"alpha": 1.0, "transA": 0, "transB": 0, "transBatchA": 0,
+                    "transBatchB": 0},
+}
+
+
+def attribute_defaults(op_type: str, domain: str = STANDARD_DOMAIN) -> dict:
+    """Every attribute of ``op_type`` that has a default, with it: the contrib table above
+    for com.microsoft ops, the latest ONNX schema for standard ones."""
+    if normalize_domain(domain) == MS_DOMAIN:
+        return dict(_MS_DEFAULTS[op_type])
+    return {name: attribute_default(op_type, name) for name, attribute
+            in onnx.defs.get_schema(op_type, STANDARD_DOMAIN).attributes.items()
+            if attribute.default_value.type != onnx.AttributeProto.UNDEFINED}
+
+
+@functools.cache
+def _standard_default(op_type: str, name: str, opset: int | None):
+    if opset is None:
+        schema = onnx.defs.get_schema(op_type, STANDARD_DOMAIN)
+    else:
+        schema = onnx.defs.get_schema(op_type, opset, STANDARD_DOMAIN)
+    default = schema.attributes[name].default_value
+    if default.type == onnx.AttributeProto.UNDEFINED:
+        raise KeyError(f"{op_type}.{name} has no default (opset {opset or 'latest'})")
+    value = onnx.helper.get_attribute_value(default)
+    return tuple(value) if isinstance(value, list) else value
+
+
+def attribute_default(op_type: str, name: str, domain: str = STANDARD_DOMAIN,
+                      opset: int | None = None):
+    """The value attribute ``name`` of ``op_type`` takes when a node leaves it out, from the
+    ONNX schema of ``opset`` (the latest by default); KeyError if it has none. Float
+    defaults are the schema's float32 values; list defaults come back as lists."""
+    if normalize_domain(domain) == MS_DOMAIN:
+        return _MS_DEFAULTS[op_type][name]
+    value = _standard_default(op_type, name, opset)
+    return list(value) if isinstance(value, tuple) else value
