@@ -16,10 +16,10 @@ from typing import Any
 import onnx
 from onnx import AttributeProto, numpy_helper
 
+from graphopt.vocabulary import BACKWARD_PASS_ATTRIBUTE as BACKWARD_ATTR
+
 from .errors import InvalidModelError
 from .registry import KernelSpec
-
-BACKWARD_ATTR = "__backwardpass"
 
 
 def decode_attributes(node: onnx.NodeProto) -> dict[str, Any]:

@@ -32,8 +32,9 @@ from .ir import (
 )
 from .match import CompiledPattern, Match, Miss, TensorView
 from .report import Report
+from .vocabulary import BACKWARD_PASS_ATTRIBUTE
 
-STICKY_ATTRIBUTES = ("__backwardpass",)
+STICKY_ATTRIBUTES = (BACKWARD_PASS_ATTRIBUTE,)
 MAX_NEAR_MISSES = 50
 
 

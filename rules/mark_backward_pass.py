@@ -8,8 +8,7 @@ import onnx
 from graphopt.dsl import Pass
 from graphopt.errors import GraphoptError
 from graphopt.ir import MS_DOMAIN, nested_nodes, normalize_domain, subgraphs_of
-
-ATTRIBUTE = "__backwardpass"
+from graphopt.vocabulary import BACKWARD_PASS_ATTRIBUTE
 
 
 def forward_nodes(graph, yield_id: int) -> set[int]:
@@ -52,12 +51,12 @@ def mark(graph, report) -> int:
             # with a second attribute wrongly: shape inference took __backwardpass=1 as its
             # value, the whole-model check failed and the pass was rolled back entirely.
             continue
-        marked = graph.attr(node_id, ATTRIBUTE) == 1
+        marked = graph.attr(node_id, BACKWARD_PASS_ATTRIBUTE) == 1
         if node_id in forward and marked:
-            graph.set_attribute(node_id, onnx.helper.make_attribute(ATTRIBUTE, 0))
+            graph.set_attribute(node_id, onnx.helper.make_attribute(BACKWARD_PASS_ATTRIBUTE, 0))
             changes += 1
         elif node_id not in forward and not marked:
-            graph.set_attribute(node_id, onnx.helper.make_attribute(ATTRIBUTE, 1))
+            graph.set_attribute(node_id, onnx.helper.make_attribute(BACKWARD_PASS_ATTRIBUTE, 1))
             changes += 1
     return changes
 
