@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import onnx
 
+from graphopt.vocabulary import YIELD_OP
+
 from .errors import ExecutorError
 from .registry import MS_DOMAIN, normalize_domain
 
@@ -131,7 +133,7 @@ def _fused_matmul(attrs, xs, value):
     return [(a[0], batch[1] + [ad[-2], bd[-1]])]
 
 
-@estimate("YieldOp")
+@estimate(YIELD_OP)
 def _yield(attrs, xs, value):
     skipped = set(attrs.get("non_differentiable_outputs", []))
     return [t for i, t in enumerate(xs) if i not in skipped]

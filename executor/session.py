@@ -13,13 +13,14 @@ import onnx
 from onnx import numpy_helper
 
 from graphopt.ir import type_dims
+from graphopt.vocabulary import is_yield_op
 
 from .backend import select_backend
 from .context import KernelContext
 from .errors import ExecutorError, FeedError, KernelError, UnsupportedOpsError
 from .memory import MemoryGuard
 from .plan import Plan, PlannedNode, build_plan, decode_attributes, topological_order
-from .registry import MS_DOMAIN, lookup, normalize_domain
+from .registry import lookup, normalize_domain
 
 Observer = Callable[[int, str, list[str]], None]
 StepHook = Callable[[int, PlannedNode, tuple], None]
@@ -136,7 +137,7 @@ class Session:
         self.input_names = list(self._input_types)
         self.output_names = [vi.name for vi in graph.output]
         self.yield_output_names = [
-            out for n in nodes if n.domain == MS_DOMAIN and n.op_type == "YieldOp"
+            out for n in nodes if is_yield_op(n)
             for out in n.outputs if out
         ]
         self._known_types = {vi.name: value_type(vi) for vi in graph.value_info}

@@ -7,8 +7,8 @@ import onnx
 
 from graphopt.dsl import Pass
 from graphopt.errors import GraphoptError
-from graphopt.ir import MS_DOMAIN, nested_nodes, normalize_domain, subgraphs_of
-from graphopt.vocabulary import BACKWARD_PASS_ATTRIBUTE
+from graphopt.ir import MS_DOMAIN, nested_nodes, subgraphs_of
+from graphopt.vocabulary import BACKWARD_PASS_ATTRIBUTE, YIELD_OP, is_yield_op
 
 
 def forward_nodes(graph, yield_id: int) -> set[int]:
@@ -29,10 +29,10 @@ def forward_nodes(graph, yield_id: int) -> set[int]:
 def mark(graph, report) -> int:
     if graph is not graph.model.graph:
         return 0  # the main graph's run counts (and refuses) the YieldOps of every branch
-    yields = graph.nodes_of_type("YieldOp", MS_DOMAIN)
+    yields = graph.nodes_of_type(YIELD_OP, MS_DOMAIN)
     nested = [node for owner in graph.subgraph_owners
               for body in subgraphs_of(graph.node(owner)) for node, _ in nested_nodes(body)
-              if node.op_type == "YieldOp" and normalize_domain(node.domain) == MS_DOMAIN]
+              if is_yield_op(node)]
     if not yields and not nested:
         return 0
     if len(yields) + len(nested) > 1 or nested:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from graphopt.vocabulary import YIELD_OP
+
 from ..errors import FeedError
 from ..registry import MS_DOMAIN, kernel
 from ._scatter import check_bounds, scatter_rows
@@ -17,7 +19,7 @@ def _ms(*op_types, **kw):
     return kernel(*op_types, domain=MS_DOMAIN, **kw)
 
 
-@_ms("YieldOp")
+@_ms(YIELD_OP)
 def yield_op(ctx, node, *module_outputs):
     """Hands the module outputs' gradients over: caller-fed by output name, else ones."""
     skipped = set(node.attrs.get("non_differentiable_outputs", []))

@@ -24,9 +24,10 @@ from onnx import helper
 from ..errors import GraphoptError
 from ..ir import MS_DOMAIN, Model, nested_nodes, normalize_domain
 from ..modelio import load
+from ..vocabulary import YIELD_OP, is_yield_op
 from . import gradients  # noqa: F401  (registers the built-in gradient definitions)
 from .emitter import Emitter, external_inputs
-from .graph import YIELD_OP, TrainingGraph, frozen_initializers, is_yield
+from .graph import TrainingGraph, frozen_initializers
 from .losses import attach_loss
 from .paths import GradientPath, ancestors, find_gradient_path
 from .registry import GradientContext, gradient_of, op_label
@@ -67,8 +68,8 @@ def build_training_graph(model: onnx.ModelProto | TrainingGraph | str | os.PathL
         model = model.proto
     proto = load(model, check=False).proto  # a copy: the caller's proto is never modified
     # a YieldOp in an If/Loop body counts too (and a training graph has none there)
-    yields = [n for n, _ in nested_nodes(proto.graph) if is_yield(n)]
-    if any(depth for n, depth in nested_nodes(proto.graph) if is_yield(n)):
+    yields = [n for n, _ in nested_nodes(proto.graph) if is_yield_op(n)]
+    if any(depth for n, depth in nested_nodes(proto.graph) if is_yield_op(n)):
         listed = ", ".join(repr(n.name) for n in yields)
         raise GraphoptError(f"the graph has {len(yields)} YieldOp node(s) ({listed}), one "
                             "inside an If/Loop/Scan body; a training graph has exactly one, "

@@ -17,21 +17,17 @@ from dataclasses import dataclass, field
 import onnx
 
 from ..errors import GraphoptError
-from ..ir import MS_DOMAIN, nested_nodes, normalize_domain
+from ..ir import nested_nodes
+from ..vocabulary import is_yield_op
 from .selection import FLOAT_TYPES
 
-YIELD_OP = "YieldOp"
 METADATA_KEY = "graphopt.training_graph"
 METADATA_VERSION = 1
 
 
-def is_yield(node: onnx.NodeProto) -> bool:
-    return node.op_type == YIELD_OP and normalize_domain(node.domain) == MS_DOMAIN
-
-
 def has_yield(model: onnx.ModelProto) -> bool:
     """Whether the model is a training graph already (a YieldOp in its main graph)."""
-    return any(is_yield(n) for n in model.graph.node)
+    return any(is_yield_op(n) for n in model.graph.node)
 
 
 @dataclass
@@ -116,7 +112,7 @@ def frozen_initializers(graph: onnx.GraphProto, params: list[str]) -> list[str]:
 
 def _the_yield(graph: onnx.GraphProto) -> onnx.NodeProto | str:
     """The graph's YieldOp, or what is wrong (none, several, one in an If/Loop body)."""
-    found = [(n, depth) for n, depth in nested_nodes(graph) if is_yield(n)]
+    found = [(n, depth) for n, depth in nested_nodes(graph) if is_yield_op(n)]
     if len(found) != 1 or found[0][1]:
         return (f"the graph has {len(found)} YieldOp node(s)"
                 f"{' (one in an If/Loop/Scan body)' if any(d for _, d in found) else ''}; "
