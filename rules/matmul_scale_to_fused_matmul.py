@@ -1,6 +1,7 @@
 """MatMul/FusedMatMul scaled by a scalar constant (Mul or Div, before or after) ->
 FusedMatMul with that factor folded into alpha (attention's 1/sqrt(d) lands here)."""
 from graphopt.dsl import Rule, is_float, one_of, op, scalar_const, single_consumer, var
+from graphopt.vocabulary import MS_DOMAIN
 
 from ._fused_matmul import fused_attrs
 
@@ -70,7 +71,7 @@ RULE = Rule(
     description="MatMul scaled by a scalar constant (Mul/Div, input or output) -> "
                 "FusedMatMul(alpha)",
     level=2,
-    tags=("fusion", "com.microsoft"),
+    tags=("fusion", MS_DOMAIN),
     match=one_of(*_alternatives()),
     where=[is_float("a", "b", reason="FusedMatMul needs float inputs"), _divisor_nonzero,
            _fusion_removes_a_node, _scale_keeps_shape],

@@ -1,6 +1,7 @@
 """MatMul/FusedMatMul whose input is a Transpose FusedMatMul can express -> FusedMatMul with
 transA/transB/transBatchA/transBatchB; the Transpose stays only if something else reads it."""
 from graphopt.dsl import Rule, attr, is_float, one_of, op, var
+from graphopt.vocabulary import MS_DOMAIN
 
 from ._fused_matmul import absorb_flags, fused_attrs
 
@@ -79,7 +80,7 @@ RULE = Rule(
     description="MatMul/FusedMatMul reading a Transpose it can express -> FusedMatMul with "
                 "transA/transB/transBatchA/transBatchB",
     level=2,
-    tags=("fusion", "com.microsoft"),
+    tags=("fusion", MS_DOMAIN),
     match=one_of(
         op.MatMul(_transposed(a, "A"), b, _name="base"),
         op.MatMul(a, _transposed(b, "B"), _name="base"),
