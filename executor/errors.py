@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from graphopt.vocabulary import domain_label
+
 
 class ExecutorError(Exception):
     """Base class of all executor errors."""
@@ -30,7 +32,7 @@ class UnsupportedOpsError(ExecutorError):
         # missing: (node name, domain, op_type, opset version)
         self.missing = missing
         lines = [
-            f"  - node {name!r}: {domain or 'ai.onnx'}::{op_type} (opset {opset})"
+            f"  - node {name!r}: {domain_label(domain)}::{op_type} (opset {opset})"
             for name, domain, op_type, opset in missing
         ]
         super().__init__(

@@ -17,6 +17,8 @@ import onnx
 from onnx import numpy_helper
 from onnx.backend.base import Backend, BackendRep
 
+from graphopt.vocabulary import STANDARD_DOMAIN, normalize_domain
+
 from .errors import ExecutorError
 from .session import Session
 
@@ -93,7 +95,8 @@ def per_op_report(pattern: str | None = None, show_failures: bool = False) -> st
     for case in _node_cases():
         if pattern and not re.search(pattern, case.name):
             continue
-        op_types = {n.op_type for n in case.model.graph.node if n.domain in ("", "ai.onnx")}
+        op_types = {n.op_type for n in case.model.graph.node
+                    if normalize_domain(n.domain) == STANDARD_DOMAIN}
         if not op_types or not op_types <= claimed:
             continue
         passed, reason = run_case(case)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from graphopt.vocabulary import MS_DOMAIN, normalize_domain  # noqa: F401 (re-exported)
+from graphopt.vocabulary import MS_DOMAIN, domain_label, normalize_domain  # noqa: F401 (re-exported)
 from graphopt.vocabulary import STANDARD_DOMAIN as ONNX_DOMAIN
 
 LATEST = 10_000  # "no upper bound" on an opset range
@@ -96,10 +96,10 @@ def supported_ops_markdown() -> str:
     for (domain, op_type), specs in rows.items():
         ranges = ", ".join(s.opset_range for s in specs)
         gemm = "yes" if any(s.gemm for s in specs) else ""
-        lines.append(f"| {domain or 'ai.onnx'} | {op_type} | {ranges} | {gemm} |")
+        lines.append(f"| {domain_label(domain)} | {op_type} | {ranges} | {gemm} |")
     counts = {}
     for domain, _ in rows:
-        counts[domain or "ai.onnx"] = counts.get(domain or "ai.onnx", 0) + 1
+        counts[domain_label(domain)] = counts.get(domain_label(domain), 0) + 1
     summary = ", ".join(f"{n} {d}" for d, n in counts.items())
     return "\n".join(lines) + f"\n\n{len(rows)} op types ({summary}).\n"
 
@@ -108,7 +108,7 @@ def supported_ops_compact() -> str:
     """One paragraph per domain listing its op types (GEMM-class ones marked with *)."""
     by_domain: dict[str, dict[str, bool]] = {}
     for spec in all_specs():
-        ops = by_domain.setdefault(spec.domain or "ai.onnx", {})
+        ops = by_domain.setdefault(domain_label(spec.domain), {})
         ops[spec.op_type] = ops.get(spec.op_type, False) or bool(spec.gemm)
     paragraphs = []
     for domain, ops in by_domain.items():

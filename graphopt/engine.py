@@ -32,7 +32,7 @@ from .ir import (
 )
 from .match import CompiledPattern, Match, Miss, TensorView
 from .report import Report
-from .vocabulary import BACKWARD_PASS_ATTRIBUTE
+from .vocabulary import BACKWARD_PASS_ATTRIBUTE, STANDARD_DOMAIN_ALIAS, domain_label
 
 STICKY_ATTRIBUTES = (BACKWARD_PASS_ATTRIBUTE,)
 MAX_NEAR_MISSES = 50
@@ -270,7 +270,7 @@ def _opset_ok(rule, model: Model) -> bool:
 
 
 def _opset_gate(rule, model: Model) -> str:
-    needs = [f"opset {v} of '{d or 'ai.onnx'}' (the model has "
+    needs = [f"opset {v} of '{domain_label(d)}' (the model has "
              f"{model.opset(d) or 'none'})"
              for d, v in sorted(rule.min_opset.items()) if (model.opset(d) or 0) < v]
     return "gated by opset: needs " + ", ".join(needs)
@@ -320,7 +320,7 @@ def _rewrite_single(model: Model, graph: Graph, rule: Rule, m: Match, expr: OpEx
             return None  # an expression to build, a constant to add: the general path
     inputs = tuple(inputs)
     domain = expr.domain or STANDARD_DOMAIN
-    if domain == "ai.onnx":
+    if domain == STANDARD_DOMAIN_ALIAS:
         domain = STANDARD_DOMAIN
     op_type = expr.op_type
     root_node = graph.nodes[root]

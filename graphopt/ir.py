@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from .vocabulary import MS_DOMAIN, STANDARD_DOMAIN, normalize_domain  # noqa: F401 (re-exported)
+from .vocabulary import MS_DOMAIN, STANDARD_DOMAIN, STANDARD_DOMAIN_ALIAS, normalize_domain
 
 _A = onnx.AttributeProto
 # (slicing a repeated field gives a list in one C call, about 2.5x faster than list())
@@ -61,7 +61,7 @@ _GRAPH_ATTRIBUTE_TYPES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 # Ops of the standard and com.microsoft domains that carry subgraphs; no other op of those
 # domains does, which spares a scan of every node's attributes.
 _OPS_WITH_SUBGRAPHS = {"": frozenset({"If", "Loop", "Scan", "SequenceMap"}),
-                       "ai.onnx": frozenset({"If", "Loop", "Scan", "SequenceMap"}),
+                       STANDARD_DOMAIN_ALIAS: frozenset({"If", "Loop", "Scan", "SequenceMap"}),
                        MS_DOMAIN: frozenset({"BeamSearch", "GreedySearch", "Sampling",
                                              "WhisperBeamSearch"})}
 
@@ -594,7 +594,7 @@ class Graph:
         self.order[node_id] = order
         if key is None:
             domain, op_type = node.domain, node.op_type
-            key = (STANDARD_DOMAIN if domain == "ai.onnx" else domain, op_type)
+            key = (STANDARD_DOMAIN if domain == STANDARD_DOMAIN_ALIAS else domain, op_type)
         else:
             domain, op_type = key
         self.op_keys[node_id] = key

@@ -23,6 +23,7 @@ from onnx import numpy_helper
 from .errors import GraphoptError
 from .ir import Model
 from .ir import external_tensors as _external_tensors
+from .vocabulary import STANDARD_DOMAIN, normalize_domain
 
 EXTERNAL_COPY_CHUNK = 64 << 20
 DIGEST_CHARS = 12
@@ -131,7 +132,7 @@ def _check_looks_like_onnx(proto: onnx.ModelProto, path: str | None) -> None:
         raise GraphoptError(f"{where}: not an ONNX model (no opset_import)")
     newest = onnx.defs.onnx_opset_version()
     for opset in proto.opset_import:
-        if opset.domain in ("", "ai.onnx") and not 1 <= opset.version <= newest:
+        if normalize_domain(opset.domain) == STANDARD_DOMAIN and not 1 <= opset.version <= newest:
             raise GraphoptError(f"{where}: unsupported opset {opset.version} (this onnx "
                                 f"supports 1 to {newest})")
 

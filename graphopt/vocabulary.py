@@ -20,6 +20,11 @@ def normalize_domain(domain: str) -> str:
     return STANDARD_DOMAIN if domain in (STANDARD_DOMAIN, STANDARD_DOMAIN_ALIAS) else domain
 
 
+def domain_label(domain: str) -> str:
+    """How messages and tables name a domain: the standard one as ai.onnx."""
+    return domain or STANDARD_DOMAIN_ALIAS
+
+
 # ---- training graphs (ONNX Runtime's layout) -----------------------------------------------
 YIELD_OP = "YieldOp"  # com.microsoft: hands the forward outputs over, their gradients back
 # Set to 1 on the YieldOp and every node after it (the backward pass), 0 on forward nodes;

@@ -11,6 +11,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import GraphoptError
+from ..vocabulary import STANDARD_DOMAIN, normalize_domain
 
 FLOAT, HALF = TensorProto.FLOAT, TensorProto.FLOAT16
 _DTYPE_ATTRIBUTES = {"Cast": "to", "RandomNormal": "dtype", "RandomUniform": "dtype",
@@ -29,7 +30,7 @@ def to_float16(model: onnx.ModelProto, keep_outputs_fp32: bool = True) -> onnx.M
         if tensor.data_type == FLOAT:
             graph.initializer[index].CopyFrom(_half_tensor(tensor))
     for node in graph.node:
-        if node.domain not in ("", "ai.onnx"):
+        if normalize_domain(node.domain) != STANDARD_DOMAIN:
             continue
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == FLOAT:

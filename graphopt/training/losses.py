@@ -24,6 +24,7 @@ from onnx import helper
 
 from ..errors import GraphoptError
 from ..ir import NameGenerator
+from ..vocabulary import STANDARD_DOMAIN, normalize_domain
 from .selection import Patterns, as_patterns
 from .types import FLOAT_TYPES
 
@@ -72,7 +73,8 @@ def attach_loss(model: onnx.ModelProto, loss: str | None, outputs: Patterns,
             _check_scalar(declared[target])
             differentiable = [target]
         else:
-            opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+            opset = next((o.version for o in model.opset_import
+                          if normalize_domain(o.domain) == STANDARD_DOMAIN), 0)
             if loss == "cross_entropy" and opset < 12:
                 raise GraphoptError(f"loss='cross_entropy' needs opset >= 12 for "
                                     f"SoftmaxCrossEntropyLoss; the model has opset {opset}")

@@ -13,6 +13,7 @@ import onnx
 from onnx import numpy_helper
 
 from ..ir import type_dims
+from ..vocabulary import STANDARD_DOMAIN, normalize_domain
 
 Dim = int | str | None
 
@@ -45,7 +46,8 @@ class TypeTable:
             table.set(init.name, init.data_type, list(init.dims))
             table._constants[init.name] = init
         for node in graph.node:
-            if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.attribute:
+            if (node.op_type == "Constant" and normalize_domain(node.domain) == STANDARD_DOMAIN
+                    and node.attribute):
                 attr = node.attribute[0]
                 table._constants[node.output[0]] = attr
                 if attr.name == "value":
