@@ -1,0 +1,77 @@
+"""graphopt.vocabulary spells the words the layers share once: a string constant equal to one
+of them anywhere else in the source (docstrings aside) is a second definition."""
+import ast
+import pathlib
+
+import onnx
+import pytest
+
+from graphopt import vocabulary
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DEFINING_MODULE = ROOT / "graphopt" / "vocabulary.py"
+VOCABULARY = {vocabulary.MS_DOMAIN, vocabulary.STANDARD_DOMAIN_ALIAS, vocabulary.YIELD_OP,
+              vocabulary.BACKWARD_PASS_ATTRIBUTE}
+
+
+def source_files():
+    for folder in ("graphopt", "rules", "executor", "trainer"):
+        yield from sorted((ROOT / folder).rglob("*.py"))
+    yield ROOT / "cli.py"
+
+
+def docstrings(tree: ast.AST) -> set[int]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                found.add(id(body[0].value))
+    return found
+
+
+def spelled_again(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    skip = docstrings(tree)
+    hits = sorted((node.lineno, node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and node.value in VOCABULARY and id(node) not in skip)
+    return [f"{path.relative_to(root)}:{line}: {value!r}" for line, value in hits]
+
+
+def test_vocabulary_literals_are_spelled_only_in_graphopt_vocabulary():
+    files = [path for path in source_files() if path != DEFINING_MODULE]
+    assert len(files) > 50  # the scan sees the tree
+    found = [hit for path in files for hit in spelled_again(path)]
+    assert not found, "use graphopt.vocabulary's names instead:\n" + "\n".join(found)
+
+
+def test_the_scan_finds_a_literal_spelled_again(tmp_path):
+    path = tmp_path / "x.py"
+    path.write_text('"""A docstring may say YieldOp."""\nDOMAIN = "com.microsoft"\n'
+                    'def f(node):\n    """YieldOp"""\n    return node.op_type == "YieldOp"\n')
+    assert spelled_again(path, tmp_path) == ["x.py:2: 'com.microsoft'", "x.py:5: 'YieldOp'"]
+
+
+def test_is_yield_op_accepts_the_contrib_yield_only():
+    make = onnx.helper.make_node
+    assert vocabulary.is_yield_op(make("YieldOp", ["x"], ["g"], domain="com.microsoft"))
+    assert not vocabulary.is_yield_op(make("YieldOp", ["x"], ["g"]))
+    assert not vocabulary.is_yield_op(make("Identity", ["x"], ["y"], domain="com.microsoft"))
+
+
+@pytest.mark.parametrize("domain", ["", "ai.onnx"])
+def test_both_spellings_of_the_standard_domain_normalize_to_one(domain):
+    assert vocabulary.normalize_domain(domain) == ""
+    assert vocabulary.normalize_domain("com.microsoft") == "com.microsoft"
+
+
+def test_attribute_defaults_come_from_the_onnx_schemas():
+    assert vocabulary.attribute_default("ReduceSum", "keepdims") == 1
+    assert vocabulary.attribute_default("ReduceSum", "noop_with_empty_axes") == 0
+    assert vocabulary.attribute_default("Gather", "axis") == 0
+    assert vocabulary.attribute_default("Softmax", "axis", opset=11) == 1
+    assert vocabulary.attribute_default("Softmax", "axis", opset=13) == -1
+    assert vocabulary.attribute_default("FusedMatMul", "alpha", "com.microsoft") == 1.0
+    with pytest.raises(KeyError):
+        vocabulary.attribute_default("Transpose", "perm")  # no default: the reverse order
