@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from .ir import MS_DOMAIN, STANDARD_DOMAIN
+from .vocabulary import FLOAT_TYPES
 
 ALL_PROVIDERS = frozenset({"cpu", "cuda", "rocm"})
 COMMUTATIVE_OPS = frozenset({"Add", "Mul", "Max", "Min", "Sum", "Mean", "Equal", "And", "Or",
@@ -185,9 +186,6 @@ def single_consumer(node: str, reason: str | None = None) -> Callable:
             return True
         return reason or f"output of {view.op_type} '{view.name}' has other consumers"
     return constraint
-
-
-FLOAT_TYPES = frozenset({1, 10, 11, 16})  # float, float16, double, bfloat16
 
 
 def _bound_tensor(m, name: str) -> str:

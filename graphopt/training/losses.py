@@ -24,9 +24,8 @@ from onnx import helper
 
 from ..errors import GraphoptError
 from ..ir import NameGenerator
-from ..vocabulary import STANDARD_DOMAIN, normalize_domain
+from ..vocabulary import FLOAT_TYPES, STANDARD_DOMAIN, normalize_domain
 from .selection import Patterns, as_patterns
-from .types import FLOAT_TYPES
 
 LOSSES = (None, "output", "cross_entropy", "mse")
 DEFAULT_LABELS = {"cross_entropy": "labels", "mse": "target"}

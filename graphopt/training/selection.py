@@ -12,7 +12,7 @@ import fnmatch
 from collections.abc import Iterable, Sequence
 
 from ..errors import GraphoptError
-from .types import FLOAT_TYPES
+from ..vocabulary import FLOAT_TYPES
 
 Patterns = str | Iterable[str] | None
 

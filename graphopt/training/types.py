@@ -13,12 +13,9 @@ import onnx
 from onnx import numpy_helper
 
 from ..ir import type_dims
-from ..vocabulary import STANDARD_DOMAIN, normalize_domain
+from ..vocabulary import FLOAT_TYPES, STANDARD_DOMAIN, normalize_domain
 
 Dim = int | str | None
-
-FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
-                         onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
 
 
 class TypeTable:
