@@ -2,6 +2,7 @@
 of them anywhere else in the source (docstrings aside) is a second definition."""
 import ast
 import pathlib
+import types
 
 import onnx
 import pytest
@@ -75,3 +76,34 @@ def test_attribute_defaults_come_from_the_onnx_schemas():
     assert vocabulary.attribute_default("FusedMatMul", "alpha", "com.microsoft") == 1.0
     with pytest.raises(KeyError):
         vocabulary.attribute_default("Transpose", "perm")  # no default: the reverse order
+
+
+def defined_again(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
+    """Assignments and definitions of a name graphopt.vocabulary defines (an import, which
+    re-exports the one definition, is fine)."""
+    names = {name for name, value in vars(vocabulary).items() if not name.startswith("_")
+             and not isinstance(value, types.ModuleType) and name != "annotations"}
+    hits = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defined = [node.name]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined = [t.id for t in targets if isinstance(t, ast.Name)]
+        else:
+            continue
+        hits += [(node.lineno, name) for name in defined if name in names]
+    return [f"{path.relative_to(root)}:{line}: {name}" for line, name in sorted(hits)]
+
+
+def test_vocabulary_names_are_defined_only_in_graphopt_vocabulary():
+    found = [hit for path in source_files() if path != DEFINING_MODULE
+             for hit in defined_again(path)]
+    assert not found, "import these from graphopt.vocabulary instead:\n" + "\n".join(found)
+
+
+def test_the_scan_finds_a_name_defined_again(tmp_path):
+    path = tmp_path / "x.py"
+    path.write_text("from graphopt.vocabulary import MS_DOMAIN\nFLOAT_TYPES = frozenset({1})\n"
+                    "def normalize_domain(domain):\n    return domain\n")
+    assert defined_again(path, tmp_path) == ["x.py:2: FLOAT_TYPES", "x.py:3: normalize_domain"]
