@@ -42,20 +42,33 @@ FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
                          onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
 
 # ---- attribute defaults -------------------------------------------------------------------
-# The onnx package ships the standard schemas only; ONNX Runtime's contrib schemas
+# The onnx package ships the standard schemas only; these are ONNX Runtime's contrib schemas
 # (onnxruntime/core/graph/contrib_ops/contrib_defs.cc) for the com.microsoft ops whose
-# defaults graphopt reads:
-_MS_DEFAULTS = {
+# defaults graphopt reads.
+_CONTRIB_DEFAULTS = {
     "FusedMatMul": {"alpha": 1.0, "transA": 0, "transB": 0, "transBatchA": 0,
                     "transBatchB": 0},
 }
 
 
-def attribute_defaults(op_type: str, domain: str = STANDARD_DOMAIN) -> dict:
-    """Every attribute of ``op_type`` that has a default, with it: the contrib table above
-    for com.microsoft ops, the latest ONNX schema for standard ones."""
+def attribute_default(op_type: str, name: str, domain: str = STANDARD_DOMAIN,
+                      opset: int | None = None):
+    """The value attribute ``name`` of ``op_type`` takes when a node leaves it out, as the
+    ONNX schema of ``opset`` gives it; the latest schema's without an opset, or when the op
+    or the attribute is newer than ``opset`` (ONNX Runtime runs LayerNormalization before
+    opset 17 defines it; a new attribute's default is the behaviour of the opsets before it,
+    noop_with_empty_axes=0). KeyError if the attribute has no default. Floats are the
+    schema's float32 values, strings bytes (as onnx.helper.get_attribute_value gives them)."""
     if normalize_domain(domain) == MS_DOMAIN:
-        return dict(_MS_DEFAULTS[op_type])
+        return _CONTRIB_DEFAULTS[op_type][name]
+    value = _standard_default(op_type, name, opset)
+    return list(value) if isinstance(value, tuple) else value
+
+
+def attribute_defaults(op_type: str, domain: str = STANDARD_DOMAIN) -> dict:
+    """Every attribute of ``op_type`` that has a default, with it (latest schema)."""
+    if normalize_domain(domain) == MS_DOMAIN:
+        return dict(_CONTRIB_DEFAULTS[op_type])
     return {name: attribute_default(op_type, name) for name, attribute
             in onnx.defs.get_schema(op_type, STANDARD_DOMAIN).attributes.items()
             if attribute.default_value.type != onnx.AttributeProto.UNDEFINED}
@@ -63,23 +76,16 @@ def attribute_defaults(op_type: str, domain: str = STANDARD_DOMAIN) -> dict:
 
 @functools.cache
 def _standard_default(op_type: str, name: str, opset: int | None):
-    if opset is None:
+    schema = None
+    if opset is not None:
+        try:
+            schema = onnx.defs.get_schema(op_type, opset, STANDARD_DOMAIN)
+        except onnx.defs.SchemaError:
+            pass
+    if schema is None or name not in schema.attributes:
         schema = onnx.defs.get_schema(op_type, STANDARD_DOMAIN)
-    else:
-        schema = onnx.defs.get_schema(op_type, opset, STANDARD_DOMAIN)
     default = schema.attributes[name].default_value
     if default.type == onnx.AttributeProto.UNDEFINED:
         raise KeyError(f"{op_type}.{name} has no default (opset {opset or 'latest'})")
     value = onnx.helper.get_attribute_value(default)
-    return tuple(value) if isinstance(value, list) else value
-
-
-def attribute_default(op_type: str, name: str, domain: str = STANDARD_DOMAIN,
-                      opset: int | None = None):
-    """The value attribute ``name`` of ``op_type`` takes when a node leaves it out, from the
-    ONNX schema of ``opset`` (the latest by default); KeyError if it has none. Float
-    defaults are the schema's float32 values; list defaults come back as lists."""
-    if normalize_domain(domain) == MS_DOMAIN:
-        return _MS_DEFAULTS[op_type][name]
-    value = _standard_default(op_type, name, opset)
-    return list(value) if isinstance(value, tuple) else value
+    return tuple(value) if isinstance(value, list) else value  # cached: kept immutable

@@ -74,6 +74,11 @@ def test_attribute_defaults_come_from_the_onnx_schemas():
     assert vocabulary.attribute_default("Softmax", "axis", opset=11) == 1
     assert vocabulary.attribute_default("Softmax", "axis", opset=13) == -1
     assert vocabulary.attribute_default("FusedMatMul", "alpha", "com.microsoft") == 1.0
+    # an attribute newer than the opset: the default that keeps the older behaviour
+    assert vocabulary.attribute_default("ReduceSum", "noop_with_empty_axes", opset=11) == 0
+    # an op ONNX Runtime runs before ONNX defines it (opset 17)
+    assert vocabulary.attribute_default("LayerNormalization", "axis", opset=13) == -1
+    assert vocabulary.attribute_default("SoftmaxCrossEntropyLoss", "reduction") == b"mean"
     with pytest.raises(KeyError):
         vocabulary.attribute_default("Transpose", "perm")  # no default: the reverse order
 

@@ -18,6 +18,7 @@ from onnx import helper
 
 from ..errors import GraphoptError
 from ..ir import STANDARD_DOMAIN, normalize_domain
+from ..vocabulary import attribute_default
 from .emitter import Emitter
 
 GradientFn = Callable[["GradientContext"], Sequence[str | None]]
@@ -97,6 +98,14 @@ class GradientContext:
             if attribute.name == name:
                 return helper.get_attribute_value(attribute)
         return default
+
+    def attr_or_default(self, name: str):
+        """The attribute's value, or the default the op's schema gives at the model's opset
+        (KeyError for an attribute without one)."""
+        value = self.attr(name)
+        if value is None:
+            value = attribute_default(self.node.op_type, name, self.node.domain, self.opset)
+        return value
 
     def forward_output(self, i: int, hint: str) -> str:
         """Output ``i`` of the forward node, adding it when the export left it out (the

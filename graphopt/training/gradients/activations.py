@@ -15,7 +15,7 @@ def relu(ctx: GradientContext):
 @gradient("Gelu")  # ONNX opset 20
 def gelu(ctx: GradientContext):
     # onnx hands a STRING attribute back as bytes
-    grad_op = "FastGeluGrad" if ctx.attr("approximate", b"none") == b"tanh" else "GeluGrad"
+    grad_op = "FastGeluGrad" if ctx.attr("approximate") == b"tanh" else "GeluGrad"
     return [ctx.ms(grad_op, ctx.dy, ctx.input(0))]
 
 
@@ -50,8 +50,8 @@ def _softmax_family(ctx: GradientContext, grad_op: str):
     # opset 13 changed the semantics from "coerce to 2-D at axis" to "one axis"; ONNX
     # Runtime has a gradient op for each
     if ctx.opset >= 13:
-        return [ctx.ms(f"{grad_op}_13", ctx.dy, ctx.output(0), axis=ctx.attr("axis", -1))]
-    return [ctx.ms(grad_op, ctx.dy, ctx.output(0), axis=ctx.attr("axis", 1))]
+        return [ctx.ms(f"{grad_op}_13", ctx.dy, ctx.output(0), axis=ctx.attr_or_default("axis"))]
+    return [ctx.ms(grad_op, ctx.dy, ctx.output(0), axis=ctx.attr_or_default("axis"))]
 
 
 @gradient("Softmax")

@@ -61,8 +61,8 @@ def gemm(ctx: GradientContext):
     """Y = alpha * A' @ B' + beta * C, A' = A^T if transA, B' likewise; Gemm for Gemm, as in
     ONNX Runtime."""
     a, b, c, dy = ctx.input(0), ctx.input(1), ctx.input(2), ctx.dy
-    alpha, beta = ctx.attr("alpha", 1.0), ctx.attr("beta", 1.0)
-    trans_a, trans_b = ctx.attr("transA", 0), ctx.attr("transB", 0)
+    alpha, beta = ctx.attr_or_default("alpha"), ctx.attr_or_default("beta")
+    trans_a, trans_b = ctx.attr_or_default("transA"), ctx.attr_or_default("transB")
     grads = [None, None, None]
     if ctx.needs(0):
         if trans_a:  # dA = (dY @ B'^T)^T = B' @ dY^T
@@ -175,7 +175,7 @@ def _reduced_axes(ctx: GradientContext, axes_attr_until: int) -> list[int] | Non
     else:
         axes = ctx.constant(ctx.input(1), "axes").tolist() if ctx.input(1) else None
     if not axes:
-        if ctx.attr("noop_with_empty_axes", 0):
+        if ctx.attr_or_default("noop_with_empty_axes"):
             return None
         return list(range(rank))
     return sorted(a + rank if a < 0 else a for a in axes)
@@ -183,7 +183,7 @@ def _reduced_axes(ctx: GradientContext, axes_attr_until: int) -> list[int] | Non
 
 def _spread(ctx: GradientContext, axes: list[int], grad: str) -> str:
     """The output gradient put back on every element that was reduced into it."""
-    if not ctx.attr("keepdims", 1):
+    if not ctx.attr_or_default("keepdims"):
         grad = ctx.unsqueeze(grad, axes)
     return ctx.op("Expand", grad, ctx.shape_of(ctx.input(0)))
 

@@ -23,7 +23,7 @@ def max_pool(ctx: GradientContext):
     The executor has no MaxPoolGrad, so this uses standard ops: Indices are flat offsets
     into X (batch and channel included), so dX is a 1-D scatter-add reshaped like X.
     Overlapping windows can pick one element twice, hence add, not assign."""
-    if ctx.attr("storage_order", 0):
+    if ctx.attr_or_default("storage_order"):
         raise ctx.fail("storage_order=1 (column-major Indices) has no gradient definition")
     x = ctx.input(0)
     indices = ctx.forward_output(1, "indices")
@@ -48,7 +48,7 @@ def layer_normalization(ctx: GradientContext):
     mean = ctx.forward_output(1, "mean")
     inv_std = ctx.forward_output(2, "inv_std_dev")
     return ctx.ms("LayerNormalizationGrad", ctx.dy, ctx.input(0), ctx.input(1), mean, inv_std,
-                  axis=ctx.attr("axis", -1), outputs=3)
+                  axis=ctx.attr_or_default("axis"), outputs=3)
 
 
 @gradient("SoftmaxCrossEntropyLoss")
@@ -60,5 +60,5 @@ def softmax_cross_entropy_loss(ctx: GradientContext):
     log_prob = ctx.forward_output(1, "log_prob")
     weights = ctx.input(2) or None
     grad = ctx.ms("SoftmaxCrossEntropyLossGrad", ctx.dy, log_prob, ctx.input(1), weights,
-                  reduction=ctx.attr("reduction", "mean"), ignore_index=ctx.attr("ignore_index"))
+                  reduction=ctx.attr_or_default("reduction"), ignore_index=ctx.attr("ignore_index"))
     return [grad, None, None]

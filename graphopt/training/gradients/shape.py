@@ -60,7 +60,7 @@ def dropout(ctx: GradientContext):
     if ctx.opset >= 12:
         ratio, training_mode = ctx.input(1) or None, ctx.input(2) or None
     else:  # ratio was an attribute and there was no mode input
-        ratio, training_mode = ctx.const(np.array(ctx.attr("ratio", 0.5), np.float32)), None
+        ratio, training_mode = ctx.const(np.array(ctx.attr_or_default("ratio"), np.float32)), None
     return [ctx.ms("DropoutGrad", ctx.dy, mask, ratio, training_mode)]
 
 
@@ -74,7 +74,7 @@ def _axis(ctx: GradientContext, tensor: str, default: int = 0) -> int:
 def split(ctx: GradientContext):
     """Concat of the pieces' gradients; a piece nobody used contributes zeros."""
     pieces = [ctx.output_grad(i) or ctx.zeros_like(out) for i, out in enumerate(ctx.node.output)]
-    return [ctx.op("Concat", *pieces, axis=ctx.attr("axis", 0))]
+    return [ctx.op("Concat", *pieces, axis=ctx.attr_or_default("axis"))]
 
 
 @gradient("Concat")
@@ -122,7 +122,8 @@ def slice_(ctx: GradientContext):
 def gather(ctx: GradientContext):
     """ONNX Runtime's GatherGrad: scatter-add into zeros (an index may repeat)."""
     x, indices = ctx.input(0), ctx.input(1)
-    return [ctx.ms("GatherGrad", ctx.shape_of(x), indices, ctx.dy, axis=ctx.attr("axis", 0)), None]
+    return [ctx.ms("GatherGrad", ctx.shape_of(x), indices, ctx.dy,
+                   axis=ctx.attr_or_default("axis")), None]
 
 
 def _scatter_add_needs_opset_16(ctx: GradientContext) -> None:
@@ -136,13 +137,13 @@ def gather_elements(ctx: GradientContext):
     _scatter_add_needs_opset_16(ctx)
     x, indices = ctx.input(0), ctx.input(1)
     return [ctx.op("ScatterElements", ctx.zeros_like(x), indices, ctx.dy,
-                   axis=ctx.attr("axis", 0), reduction="add"), None]
+                   axis=ctx.attr_or_default("axis"), reduction="add"), None]
 
 
 @gradient("GatherND")
 def gather_nd(ctx: GradientContext):
     """PyTorch's dynamo exporter writes ``t[..., [i], :]`` as GatherND."""
-    if ctx.attr("batch_dims", 0):
+    if ctx.attr_or_default("batch_dims"):
         raise ctx.fail("GatherND with batch_dims > 0 has no gradient definition")
     _scatter_add_needs_opset_16(ctx)
     x, indices = ctx.input(0), ctx.input(1)
