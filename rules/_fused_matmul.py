@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from graphopt.vocabulary import MS_DOMAIN, attribute_defaults
+
 
 def flags_permutation(rank: int, trans: bool, trans_batch: bool) -> list[int]:
     perm = list(range(rank))
@@ -37,14 +39,12 @@ def absorb_flags(perm: tuple[int, ...], trans: int, trans_batch: int):
     return None if flags is None else (int(flags[0]), int(flags[1]))
 
 
-MATMUL_DEFAULTS = {"alpha": 1.0, "transA": 0, "transB": 0, "transBatchA": 0, "transBatchB": 0}
+MATMUL_DEFAULTS = attribute_defaults("FusedMatMul", MS_DOMAIN)  # what a plain MatMul does
 
 
 def fused_attrs(node) -> dict:
     """The FusedMatMul attributes of a MatMul or FusedMatMul node, defaults filled in."""
     if node is None or node.op_type == "MatMul":
         return dict(MATMUL_DEFAULTS)
-    return {"alpha": float(node.attr("alpha", 1.0)), "transA": int(node.attr("transA", 0)),
-            "transB": int(node.attr("transB", 0)),
-            "transBatchA": int(node.attr("transBatchA", 0)),
-            "transBatchB": int(node.attr("transBatchB", 0))}
+    return {name: type(default)(node.attr(name, default))  # alpha a float, the flags ints
+            for name, default in MATMUL_DEFAULTS.items()}
