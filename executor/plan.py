@@ -17,6 +17,7 @@ import onnx
 from onnx import AttributeProto, numpy_helper
 
 from graphopt.vocabulary import BACKWARD_PASS_ATTRIBUTE as BACKWARD_ATTR
+from graphopt.vocabulary import attribute_default
 
 from .errors import InvalidModelError
 from .registry import KernelSpec
@@ -51,6 +52,14 @@ class PlannedNode:
     outputs: tuple[str, ...]
     attrs: dict[str, Any]
     spec: KernelSpec | None = None
+
+    def attr(self, name: str) -> Any:
+        """The attribute's value, or the default the op's schema gives at this opset (see
+        graphopt.vocabulary.attribute_default; strings decoded as decode_attributes does)."""
+        if name in self.attrs:
+            return self.attrs[name]
+        value = attribute_default(self.op_type, name, self.domain, self.opset)
+        return value.decode("utf-8") if isinstance(value, bytes) else value
 
     @property
     def is_backward(self) -> bool:

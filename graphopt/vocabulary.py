@@ -43,11 +43,18 @@ FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
 
 # ---- attribute defaults -------------------------------------------------------------------
 # The onnx package ships the standard schemas only; these are ONNX Runtime's contrib schemas
-# (onnxruntime/core/graph/contrib_ops/contrib_defs.cc) for the com.microsoft ops whose
-# defaults graphopt reads.
+# (onnxruntime/core/graph/contrib_ops/contrib_defs.cc, orttraining/core/graph/
+# training_op_defs.cc) for the com.microsoft ops whose defaults graphopt reads.
 _CONTRIB_DEFAULTS = {
     "FusedMatMul": {"alpha": 1.0, "transA": 0, "transB": 0, "transBatchA": 0,
                     "transBatchB": 0},
+    "GatherGrad": {"axis": 0},
+    "LayerNormalizationGrad": {"axis": -1},
+    "ReduceSumTraining": {"keepdims": 1, "noop_with_empty_axes": 0},
+    "SoftmaxCrossEntropyLossInternal": {"reduction": b"mean"},
+    "SoftmaxCrossEntropyLossGrad": {"reduction": b"mean"},
+    "SoftmaxCrossEntropyLossInternalGrad": {"reduction": b"mean"},
+    "SplitTraining": {"axis": 0},
 }
 
 
@@ -66,9 +73,11 @@ def attribute_default(op_type: str, name: str, domain: str = STANDARD_DOMAIN,
 
 
 def attribute_defaults(op_type: str, domain: str = STANDARD_DOMAIN) -> dict:
-    """Every attribute of ``op_type`` that has a default, with it (latest schema)."""
-    if normalize_domain(domain) == MS_DOMAIN:
-        return dict(_CONTRIB_DEFAULTS[op_type])
+    """Every attribute of ``op_type`` that has a default, with it (latest schema); none for
+    a com.microsoft op the table above does not list, or an op of another domain."""
+    domain = normalize_domain(domain)
+    if domain != STANDARD_DOMAIN:
+        return dict(_CONTRIB_DEFAULTS.get(op_type, {})) if domain == MS_DOMAIN else {}
     return {name: attribute_default(op_type, name) for name, attribute
             in onnx.defs.get_schema(op_type, STANDARD_DOMAIN).attributes.items()
             if attribute.default_value.type != onnx.AttributeProto.UNDEFINED}

@@ -112,3 +112,17 @@ def test_the_scan_finds_a_name_defined_again(tmp_path):
     path.write_text("from graphopt.vocabulary import MS_DOMAIN\nFLOAT_TYPES = frozenset({1})\n"
                     "def normalize_domain(domain):\n    return domain\n")
     assert defined_again(path, tmp_path) == ["x.py:2: FLOAT_TYPES", "x.py:3: normalize_domain"]
+
+
+def test_the_executors_nodes_read_missing_attributes_from_the_schemas():
+    from graphopt.executor.plan import PlannedNode
+
+    def planned(op_type, domain="", opset=18, **attrs):
+        return PlannedNode(index=0, name="n", op_type=op_type, domain=domain, opset=opset,
+                           inputs=("x",), outputs=("y",), attrs=attrs)
+
+    assert planned("ReduceSum").attr("keepdims") == 1
+    assert planned("ReduceSum", keepdims=0).attr("keepdims") == 0
+    assert planned("SoftmaxCrossEntropyLoss").attr("reduction") == "mean"  # str, as decoded
+    assert planned("ReduceSumTraining", "com.microsoft", 1).attr("noop_with_empty_axes") == 0
+    assert planned("FusedMatMul", "com.microsoft", 1, transA=1).attr("transA") == 1
