@@ -194,7 +194,7 @@ def complete_types(nodes, model: onnx.ModelProto, types: dict, constant) -> dict
             t = types.get(node.inputs[0])
             if t is not None and not _unknown(t) and all(isinstance(d, int) for d in t[1]):
                 rank = len(t[1])
-                start, end = node.attrs.get("start", 0), node.attrs.get("end", rank)
+                start, end = node.attr("start"), node.attrs.get("end", rank)
                 shapes[node.outputs[0]] = np.array(t[1], np.int64)[slice(start, end)]
         missing = [o for o in node.outputs if o and _unknown(types.get(o))]
         if node.domain != "":

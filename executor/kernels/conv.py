@@ -211,7 +211,7 @@ def max_pool(ctx, node, x):
     offsets = np.array(list(_offsets(w)), dtype=np.int64)  # (K, nd)
     spatial = x.shape[2:]
     flat = xp.zeros(arg.shape, dtype=np.int64)
-    column_major = node.attrs.get("storage_order", 0) == 1
+    column_major = node.attr("storage_order") == 1
     order = range(nd - 1, -1, -1) if column_major else range(nd)
     for i in order:
         grid_shape = [1] * nd

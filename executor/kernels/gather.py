@@ -15,7 +15,7 @@ def _fix_negative(xp, indices, dim):
 
 @kernel("Gather")
 def gather(ctx, node, data, indices):
-    axis = norm_axis(node.attrs.get("axis", 0), data.ndim)
+    axis = norm_axis(node.attr("axis"), data.ndim)
     indices = _fix_negative(ctx.xp, indices, data.shape[axis])
     check_bounds(ctx, indices, data.shape[axis], "Gather")
     return ctx.xp.take(data, indices, axis=axis)
@@ -23,7 +23,7 @@ def gather(ctx, node, data, indices):
 
 @kernel("GatherElements", since=11)
 def gather_elements(ctx, node, data, indices):
-    axis = norm_axis(node.attrs.get("axis", 0), data.ndim)
+    axis = norm_axis(node.attr("axis"), data.ndim)
     indices = _fix_negative(ctx.xp, indices, data.shape[axis])
     check_bounds(ctx, indices, data.shape[axis], "GatherElements")
     return ctx.xp.take_along_axis(data, indices, axis=axis)
@@ -32,7 +32,7 @@ def gather_elements(ctx, node, data, indices):
 @kernel("GatherND", since=11)
 def gather_nd(ctx, node, data, indices):
     xp = ctx.xp
-    b = node.attrs.get("batch_dims", 0)
+    b = node.attr("batch_dims")
     k = indices.shape[-1]
     indices = xp.where(indices < 0,
                        indices + xp.asarray(data.shape[b:b + k], dtype=indices.dtype), indices)

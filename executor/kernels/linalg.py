@@ -14,13 +14,12 @@ def matmul(ctx, node, a, b):
 
 @kernel("Gemm", gemm=True)
 def gemm_op(ctx, node, a, b, c=None):
-    attrs = node.attrs
-    if attrs.get("transA", 0):
+    if node.attr("transA"):
         a = a.T
-    if attrs.get("transB", 0):
+    if node.attr("transB"):
         b = b.T
     y = gemm.matmul(ctx, a, b)
-    alpha, beta = attrs.get("alpha", 1.0), attrs.get("beta", 1.0)
+    alpha, beta = node.attr("alpha"), node.attr("beta")
     if alpha != 1.0:
         y = y * y.dtype.type(alpha)
     if c is not None and beta != 0.0:
@@ -42,11 +41,10 @@ def fused_matmul_operand(x, trans_batch: int, trans: int):
 
 @kernel("FusedMatMul", domain=MS_DOMAIN, gemm=True)
 def fused_matmul(ctx, node, a, b):
-    attrs = node.attrs
-    a = fused_matmul_operand(a, attrs.get("transBatchA", 0), attrs.get("transA", 0))
-    b = fused_matmul_operand(b, attrs.get("transBatchB", 0), attrs.get("transB", 0))
+    a = fused_matmul_operand(a, node.attr("transBatchA"), node.attr("transA"))
+    b = fused_matmul_operand(b, node.attr("transBatchB"), node.attr("transB"))
     y = gemm.matmul(ctx, a, b)
-    alpha = attrs.get("alpha", 1.0)
+    alpha = node.attr("alpha")
     if alpha != 1.0:
         y *= y.dtype.type(alpha)
     return y

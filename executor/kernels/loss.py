@@ -35,14 +35,14 @@ def _nll(xp, log_prob, labels, weights, ignore_index, reduction):
 @kernel("NegativeLogLikelihoodLoss", since=12)
 def nll_loss(ctx, node, log_prob, labels, weights=None):
     return _nll(ctx.xp, log_prob, labels, weights, node.attrs.get("ignore_index"),
-                node.attrs.get("reduction", "mean"))
+                node.attr("reduction"))
 
 
 @kernel("SoftmaxCrossEntropyLoss", since=12)
 def softmax_cross_entropy_loss(ctx, node, scores, labels, weights=None):
     log_prob = log_softmax_over(ctx.xp, scores, (1,))
     loss = _nll(ctx.xp, log_prob, labels, weights, node.attrs.get("ignore_index"),
-                node.attrs.get("reduction", "mean"))
+                node.attr("reduction"))
     return loss, log_prob
 
 
@@ -51,7 +51,7 @@ def softmax_cross_entropy_loss_internal(ctx, node, scores, labels, weights=None,
     ignore = (node.attrs.get("ignore_index") if ignore_index is None
               else ctx.host_scalar(ignore_index))
     log_prob = log_softmax_over(ctx.xp, scores, (1,))
-    return (_nll(ctx.xp, log_prob, labels, weights, ignore, node.attrs.get("reduction", "mean")),
+    return (_nll(ctx.xp, log_prob, labels, weights, ignore, node.attr("reduction")),
             log_prob)
 
 
@@ -78,4 +78,4 @@ def softmax_cross_entropy_loss_grad(ctx, node, dy, log_prob, labels, weights=Non
     ignore = (node.attrs.get("ignore_index") if ignore_index is None
               else ctx.host_scalar(ignore_index))
     return softmax_cross_entropy_grad(ctx.xp, dy, log_prob, labels, weights, ignore,
-                                      node.attrs.get("reduction", "mean"))
+                                      node.attr("reduction"))

@@ -92,7 +92,7 @@ def layer_norm_stats(xp, x, axis, epsilon, stash_dtype):
 @kernel("LayerNormalization", since=17)
 def layer_normalization(ctx, node, x, scale, bias=None):
     xp = ctx.xp
-    axis = norm_axis(node.attrs.get("axis", -1), x.ndim)
+    axis = norm_axis(node.attr("axis"), x.ndim)
     epsilon = node.attrs.get("epsilon", 1e-5)
     stash = np.dtype(np.float32) if node.attrs.get("stash_type", 1) == 1 else x.dtype
     stash = np.promote_types(stash, compute_dtype(x.dtype))
@@ -151,7 +151,7 @@ def dropout(ctx, node, x, ratio: float, training: bool):
 
 @kernel("Dropout", since=7, until=11)
 def dropout_attr(ctx, node, x):
-    return dropout(ctx, node, x, node.attrs.get("ratio", 0.5), ctx.training)
+    return dropout(ctx, node, x, node.attr("ratio"), ctx.training)
 
 
 @kernel("Dropout", since=12)

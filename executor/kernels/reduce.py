@@ -10,7 +10,7 @@ from ._util import compute_dtype, norm_axis
 
 def _axes(ctx, node, x, axes_input):
     if axes_input is None or axes_input.size == 0:
-        if node.attrs.get("noop_with_empty_axes", 0):
+        if node.attr("noop_with_empty_axes"):
             return None  # identity
         return tuple(range(x.ndim))
     return tuple(norm_axis(a, x.ndim) for a in ctx.host_ints(axes_input))
@@ -98,7 +98,7 @@ def _empty_reduce(xp, fn, x, axes, keepdims):
 
 def _attr_kernel(fn):
     def run(ctx, node, x):
-        return _empty_reduce(ctx.xp, fn, x, _attr_axes(node, x), node.attrs.get("keepdims", 1))
+        return _empty_reduce(ctx.xp, fn, x, _attr_axes(node, x), node.attr("keepdims"))
 
     return run
 
@@ -106,7 +106,7 @@ def _attr_kernel(fn):
 def _input_kernel(fn):
     def run(ctx, node, x, axes=None):
         return _empty_reduce(ctx.xp, fn, x, _axes(ctx, node, x, axes),
-                             node.attrs.get("keepdims", 1))
+                             node.attr("keepdims"))
 
     return run
 
@@ -119,10 +119,10 @@ for _name, (_fn, _switch) in _REDUCERS.items():
 def _arg(fn_name):
     def run(ctx, node, x):
         xp = ctx.xp
-        axis = norm_axis(node.attrs.get("axis", 0), x.ndim)
-        keepdims = node.attrs.get("keepdims", 1)
+        axis = norm_axis(node.attr("axis"), x.ndim)
+        keepdims = node.attr("keepdims")
         fn = getattr(xp, fn_name)
-        if node.attrs.get("select_last_index", 0):
+        if node.attr("select_last_index"):
             flipped = xp.flip(x, axis=axis)
             result = x.shape[axis] - 1 - fn(flipped, axis=axis)
         else:

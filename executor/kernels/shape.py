@@ -41,7 +41,7 @@ def constant(ctx, node):
 def shape(ctx, node, x):
     dims = list(x.shape)
     rank = len(dims)
-    start = node.attrs.get("start", 0)
+    start = node.attr("start")
     end = node.attrs.get("end", rank)
     start = min(max(start + rank if start < 0 else start, 0), rank)
     end = min(max(end + rank if end < 0 else end, 0), rank)
@@ -132,14 +132,14 @@ def split_array(xp, x, axis: int, sizes: list[int]):
 
 @kernel("Split", since=1, until=12)
 def split_attr(ctx, node, x, split=None):
-    axis = norm_axis(node.attrs.get("axis", 0), x.ndim)
+    axis = norm_axis(node.attr("axis"), x.ndim)
     sizes = node.attrs.get("split") or _ints(ctx, split)
     return split_array(ctx.xp, x, axis, split_sizes(x.shape[axis], sizes, node.num_outputs))
 
 
 @kernel("Split", since=13)
 def split(ctx, node, x, split=None):
-    axis = norm_axis(node.attrs.get("axis", 0), x.ndim)
+    axis = norm_axis(node.attr("axis"), x.ndim)
     count = node.attrs.get("num_outputs", node.num_outputs)
     return split_array(ctx.xp, x, axis, split_sizes(x.shape[axis], _ints(ctx, split), count))
 

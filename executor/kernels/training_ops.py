@@ -78,7 +78,7 @@ def log_softmax_grad_13(ctx, node, dy, log_y):
 def gather_grad(ctx, node, shape, indices, dy):
     xp = ctx.xp
     shape = ctx.host_ints(shape)
-    axis = norm_axis(node.attrs.get("axis", 0), len(shape))
+    axis = norm_axis(node.attr("axis"), len(shape))
     indices = xp.where(indices < 0, indices + shape[axis], indices)
     check_bounds(ctx, indices, shape[axis], "GatherGrad")
     dx = xp.zeros(shape, dtype=dy.dtype)
@@ -117,7 +117,7 @@ def concat_training(ctx, node, *xs):
 
 @_ms("SplitTraining")
 def split_training(ctx, node, x, split):
-    axis = norm_axis(node.attrs.get("axis", 0), x.ndim)
+    axis = norm_axis(node.attr("axis"), x.ndim)
     sizes = split_sizes(x.shape[axis], ctx.host_ints(split), node.num_outputs)
     return split_array(ctx.xp, x, axis, sizes)
 
@@ -127,7 +127,7 @@ def reduce_sum_training(ctx, node, x, axes):
     reduce_axes = _axes(ctx, node, x, axes)
     if reduce_axes is None:
         return x.copy()
-    return reduce_sum(ctx.xp, x, reduce_axes, bool(node.attrs.get("keepdims", 1)))
+    return reduce_sum(ctx.xp, x, reduce_axes, bool(node.attr("keepdims")))
 
 
 @_ms("BroadcastGradientArgs")
@@ -181,7 +181,7 @@ def bias_fast_gelu_grad_dx(ctx, node, dy, x, bias):
 
 @_ms("LayerNormalizationGrad")
 def layer_normalization_grad(ctx, node, dy, x, scale, mean, inv_std):
-    axis = norm_axis(node.attrs.get("axis", -1), x.ndim)
+    axis = norm_axis(node.attr("axis"), x.ndim)
     norm_axes = tuple(range(axis, x.ndim))
     lead_axes = tuple(range(axis))
     ct = np.promote_types(compute_dtype(x.dtype), mean.dtype)
