@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import onnx
 
-from graphopt.vocabulary import YIELD_OP
+from graphopt.vocabulary import YIELD_OP, attribute_defaults
 
 from .errors import ExecutorError
 from .registry import MS_DOMAIN, normalize_domain
@@ -57,7 +57,9 @@ def output_types(node, inputs: Sequence[Type], value: Callable[[int], np.ndarray
             f"the memory guard has no output-size estimate for {node.domain}.{node.op_type} "
             f"(node {node.name!r}); set GRAPHOPT_MEMORY_LIMIT=off to run without the check")
     padded = list(inputs) + [None] * 8
-    return list(fn(node.attrs, padded, value))
+    defaults = {name: value.decode("utf-8") if isinstance(value, bytes) else value
+                for name, value in attribute_defaults(node.op_type, node.domain).items()}
+    return list(fn({**defaults, **node.attrs}, padded, value))
 
 
 # ---- helpers ---------------------------------------------------------------------------
@@ -121,8 +123,8 @@ def _fused_matmul(attrs, xs, value):
             dims[-2], dims[-1] = dims[-1], dims[-2]
         return dims
 
-    ad = operand(a[1], attrs.get("transBatchA", 0), attrs.get("transA", 0))
-    bd = operand(b[1], attrs.get("transBatchB", 0), attrs.get("transB", 0))
+    ad = operand(a[1], attrs["transBatchA"], attrs["transA"])
+    bd = operand(b[1], attrs["transBatchB"], attrs["transB"])
     if len(ad) == 1 and len(bd) == 1:
         return [(a[0], [])]
     if len(ad) == 1:
@@ -185,7 +187,7 @@ def _split_training(attrs, xs, value):
     x, split = xs[0], value(1)
     if x is None or split is None:
         return [None] * 64
-    axis = attrs.get("axis", 0) % max(len(x[1]), 1)
+    axis = attrs["axis"] % max(len(x[1]), 1)
     out = []
     for size in np.asarray(split).reshape(-1):
         dims = list(x[1])
@@ -202,10 +204,10 @@ def _reduce_sum_training(attrs, xs, value):
     rank = len(x[1])
     axes = {int(a) % rank for a in np.asarray(axes).reshape(-1)} if rank else set()
     if not axes:
-        if attrs.get("noop_with_empty_axes", 0):
+        if attrs["noop_with_empty_axes"]:
             return [x]
         axes = set(range(rank))
-    if attrs.get("keepdims", 1):
+    if attrs["keepdims"]:
         return [(x[0], [1 if i in axes else d for i, d in enumerate(x[1])])]
     return [(x[0], [d for i, d in enumerate(x[1]) if i not in axes])]
 
@@ -220,7 +222,7 @@ def _broadcast_gradient_args(attrs, xs, value):
 @estimate("SoftmaxCrossEntropyLossInternal")
 def _sce_internal(attrs, xs, value):
     scores, labels = xs[0], xs[1]
-    if attrs.get("reduction", "mean") == "none":
+    if attrs["reduction"] == "none":
         loss = _elem(scores, labels[1]) if labels is not None else None
     else:
         loss = _elem(scores, [])
