@@ -12,6 +12,7 @@ from onnx import numpy_helper
 
 from graphopt.dsl import Pass
 from graphopt.ir import STANDARD_DOMAIN, normalize_domain, subgraphs_of, type_dims
+from graphopt.vocabulary import attribute_default
 
 MAX_FOLDED_ELEMENTS = 4096  # keep weights out: folding Transpose(W) would duplicate them
 NOT_FOLDED = frozenset({"Constant", "RandomNormal", "RandomNormalLike", "RandomUniform",
@@ -89,7 +90,8 @@ def _static_shape(graph, node) -> list | None:
     if node.op_type == "Size":
         return [np.array(int(np.prod(dims, dtype=np.int64)), np.int64)]
     attrs = {a.name: a.i for a in node.attribute}
-    start, end = attrs.get("start", 0), attrs.get("end", len(dims))
+    start = attrs.get("start", attribute_default("Shape", "start"))
+    end = attrs.get("end", len(dims))  # (no default: the rank)
     return [np.array(dims[slice(start, end)], np.int64)]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from graphopt.dsl import Rule, constant, fan_out, op, var
+from graphopt.vocabulary import attribute_default
 
 INDEX_TYPES = (np.int64, np.int32)
 
@@ -67,7 +68,7 @@ def split_pieces(m):
     by_axis: dict[int, list] = {}
     for node in m.consumers:
         if node.op_type == "Gather":
-            axis = axis_of(node.attr("axis", 0))
+            axis = axis_of(node.attr("axis", attribute_default("Gather", "axis")))
         else:
             axes = node.input(3)
             given = 0 if axes is None else _one_index(axes.value)

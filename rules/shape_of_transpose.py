@@ -5,6 +5,7 @@ static dimensions."""
 import numpy as np
 
 from graphopt.dsl import Rule, constant, op, single_consumer, var
+from graphopt.vocabulary import attribute_default
 
 x = var("x")
 
@@ -14,7 +15,8 @@ def reorder(m):
     if perm is None:
         return "the Transpose has no perm (its rank is unknown here)"
     perm = list(perm)
-    start, end = m.shape.attr("start", 0), m.shape.attr("end", len(perm))
+    start = m.shape.attr("start", attribute_default("Shape", "start"))
+    end = m.shape.attr("end", len(perm))  # (no default: the rank)
     picked = perm[start:end]  # Shape's start/end clamp as a Python slice does
     return op.Gather(op.Shape(m.x), constant(np.array(picked, np.int64), "transposed_dims"),
                      axis=0)

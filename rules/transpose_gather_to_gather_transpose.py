@@ -1,6 +1,7 @@
 """Gather(Transpose(x, perm), one-element index vector, axis) -> Transpose(Gather(x, index,
 axis=perm[axis]), perm): the Gather moves onto x itself, where it can join a Split fusion."""
 from graphopt.dsl import Rule, const, op, var
+from graphopt.vocabulary import attribute_default
 
 x = var("x")
 
@@ -13,7 +14,7 @@ def swap(m):
     perm = list(m.transpose.attr("perm") or [])
     if not perm:
         return "Transpose has no perm"
-    axis = m.gather.attr("axis", 0)
+    axis = m.gather.attr("axis", attribute_default("Gather", "axis"))
     axis += len(perm) if axis < 0 else 0
     if not 0 <= axis < len(perm):
         return f"Gather axis {axis} out of range"
