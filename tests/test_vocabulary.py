@@ -1,5 +1,6 @@
 """graphopt.vocabulary spells the words the layers share once: a string constant equal to one
-of them anywhere else in the source (docstrings aside) is a second definition."""
+of them anywhere else in the source (docstrings aside), or a second definition of a name it
+defines, fails here. Tests may spell the words (they check the values independently)."""
 import ast
 import pathlib
 import types
@@ -40,18 +41,61 @@ def spelled_again(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
     return [f"{path.relative_to(root)}:{line}: {value!r}" for line, value in hits]
 
 
-def test_vocabulary_literals_are_spelled_only_in_graphopt_vocabulary():
+def defined_again(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
+    """Assignments and definitions of a name graphopt.vocabulary defines (an import, which
+    re-exports the one definition, is fine)."""
+    names = {name for name, value in vars(vocabulary).items() if not name.startswith("_")
+             and not isinstance(value, types.ModuleType) and name != "annotations"}
+    hits = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defined = [node.name]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined = [t.id for t in targets if isinstance(t, ast.Name)]
+        else:
+            continue
+        hits += [(node.lineno, name) for name in defined if name in names]
+    return [f"{path.relative_to(root)}:{line}: {name}" for line, name in sorted(hits)]
+
+
+SCANS = [spelled_again, defined_again]
+
+
+@pytest.mark.parametrize("scan", SCANS, ids=["literal spelled again", "name defined again"])
+def test_the_vocabulary_is_spelled_and_defined_only_in_graphopt_vocabulary(scan):
     files = [path for path in source_files() if path != DEFINING_MODULE]
     assert len(files) > 50  # the scan sees the tree
-    found = [hit for path in files for hit in spelled_again(path)]
+    found = [hit for path in files for hit in scan(path)]
     assert not found, "use graphopt.vocabulary's names instead:\n" + "\n".join(found)
 
 
-def test_the_scan_finds_a_literal_spelled_again(tmp_path):
+@pytest.mark.parametrize("scan, source, expected", [
+    (spelled_again, '"""A docstring may say YieldOp."""\nDOMAIN = "com.microsoft"\n'
+                    'def f(node):\n    """YieldOp"""\n    return node.op_type == "YieldOp"\n',
+     ["x.py:2: 'com.microsoft'", "x.py:5: 'YieldOp'"]),
+    (defined_again, "from graphopt.vocabulary import MS_DOMAIN\nFLOAT_TYPES = frozenset({1})\n"
+                    "def normalize_domain(domain):\n    return domain\n",
+     ["x.py:2: FLOAT_TYPES", "x.py:3: normalize_domain"]),
+], ids=["literal spelled again", "name defined again"])
+def test_the_scans_find_what_they_look_for(tmp_path, scan, source, expected):
     path = tmp_path / "x.py"
-    path.write_text('"""A docstring may say YieldOp."""\nDOMAIN = "com.microsoft"\n'
-                    'def f(node):\n    """YieldOp"""\n    return node.op_type == "YieldOp"\n')
-    assert spelled_again(path, tmp_path) == ["x.py:2: 'com.microsoft'", "x.py:5: 'YieldOp'"]
+    path.write_text(source)
+    assert scan(path, tmp_path) == expected
+
+
+def test_the_executors_nodes_read_missing_attributes_from_the_schemas():
+    from graphopt.executor.plan import PlannedNode
+
+    def planned(op_type, domain="", opset=18, **attrs):
+        return PlannedNode(index=0, name="n", op_type=op_type, domain=domain, opset=opset,
+                           inputs=("x",), outputs=("y",), attrs=attrs)
+
+    assert planned("ReduceSum").attr("keepdims") == 1
+    assert planned("ReduceSum", keepdims=0).attr("keepdims") == 0
+    assert planned("SoftmaxCrossEntropyLoss").attr("reduction") == "mean"  # str, as decoded
+    assert planned("ReduceSumTraining", "com.microsoft", 1).attr("noop_with_empty_axes") == 0
+    assert planned("FusedMatMul", "com.microsoft", 1, transA=1).attr("transA") == 1
 
 
 def test_is_yield_op_accepts_the_contrib_yield_only():
@@ -81,48 +125,3 @@ def test_attribute_defaults_come_from_the_onnx_schemas():
     assert vocabulary.attribute_default("SoftmaxCrossEntropyLoss", "reduction") == b"mean"
     with pytest.raises(KeyError):
         vocabulary.attribute_default("Transpose", "perm")  # no default: the reverse order
-
-
-def defined_again(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
-    """Assignments and definitions of a name graphopt.vocabulary defines (an import, which
-    re-exports the one definition, is fine)."""
-    names = {name for name, value in vars(vocabulary).items() if not name.startswith("_")
-             and not isinstance(value, types.ModuleType) and name != "annotations"}
-    hits = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            defined = [node.name]
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            defined = [t.id for t in targets if isinstance(t, ast.Name)]
-        else:
-            continue
-        hits += [(node.lineno, name) for name in defined if name in names]
-    return [f"{path.relative_to(root)}:{line}: {name}" for line, name in sorted(hits)]
-
-
-def test_vocabulary_names_are_defined_only_in_graphopt_vocabulary():
-    found = [hit for path in source_files() if path != DEFINING_MODULE
-             for hit in defined_again(path)]
-    assert not found, "import these from graphopt.vocabulary instead:\n" + "\n".join(found)
-
-
-def test_the_scan_finds_a_name_defined_again(tmp_path):
-    path = tmp_path / "x.py"
-    path.write_text("from graphopt.vocabulary import MS_DOMAIN\nFLOAT_TYPES = frozenset({1})\n"
-                    "def normalize_domain(domain):\n    return domain\n")
-    assert defined_again(path, tmp_path) == ["x.py:2: FLOAT_TYPES", "x.py:3: normalize_domain"]
-
-
-def test_the_executors_nodes_read_missing_attributes_from_the_schemas():
-    from graphopt.executor.plan import PlannedNode
-
-    def planned(op_type, domain="", opset=18, **attrs):
-        return PlannedNode(index=0, name="n", op_type=op_type, domain=domain, opset=opset,
-                           inputs=("x",), outputs=("y",), attrs=attrs)
-
-    assert planned("ReduceSum").attr("keepdims") == 1
-    assert planned("ReduceSum", keepdims=0).attr("keepdims") == 0
-    assert planned("SoftmaxCrossEntropyLoss").attr("reduction") == "mean"  # str, as decoded
-    assert planned("ReduceSumTraining", "com.microsoft", 1).attr("noop_with_empty_axes") == 0
-    assert planned("FusedMatMul", "com.microsoft", 1, transA=1).attr("transA") == 1
