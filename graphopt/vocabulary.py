@@ -51,6 +51,7 @@ _CONTRIB_DEFAULTS = {
     "GatherGrad": {"axis": 0},
     "LayerNormalizationGrad": {"axis": -1},
     "ReduceSumTraining": {"keepdims": 1, "noop_with_empty_axes": 0},
+    "Scale": {"scale_down": 0},
     "SoftmaxCrossEntropyLossInternal": {"reduction": b"mean"},
     "SoftmaxCrossEntropyLossGrad": {"reduction": b"mean"},
     "SoftmaxCrossEntropyLossInternalGrad": {"reduction": b"mean"},

@@ -103,7 +103,7 @@ def _grouped_cols(cols, group):
 @kernel("Conv", gemm=True)
 def conv(ctx, node, x, weight, bias=None):
     xp = ctx.xp
-    group = node.attrs.get("group", 1)
+    group = node.attr("group")
     kernel_shape = node.attrs.get("kernel_shape") or list(weight.shape[2:])
     w = window_geometry(node.attrs, x.shape[2:], kernel_shape)
     cols = _grouped_cols(im2col(xp, x, w), group)
@@ -120,7 +120,7 @@ def conv(ctx, node, x, weight, bias=None):
 def conv_transpose(ctx, node, x, weight, bias=None):
     xp = ctx.xp
     attrs = node.attrs
-    group = attrs.get("group", 1)
+    group = node.attr("group")
     nd = x.ndim - 2
     kernel_shape = attrs.get("kernel_shape") or list(weight.shape[2:])
     strides = attrs.get("strides") or [1] * nd
@@ -194,7 +194,7 @@ def conv_grad(ctx, node, dy, x, weight):
 # ---- pooling -------------------------------------------------------------------------
 def _pool_windows(ctx, node, x, pad_value):
     w = window_geometry(node.attrs, x.shape[2:], node.attrs["kernel_shape"],
-                        bool(node.attrs.get("ceil_mode", 0)))
+                        bool(node.attr("ceil_mode")))
     return w, im2col(ctx.xp, x, w, pad_value)  # (N, C, K, *out)
 
 
@@ -236,7 +236,7 @@ def average_pool(ctx, node, x):
     declared = list(attrs.get("pads") or [0] * (2 * nd))
     ones_shape = (1, 1) + tuple(x.shape[2:])
     ones = xp.ones(ones_shape, dtype=x.dtype)
-    if attrs.get("count_include_pad", 0) and attrs.get("auto_pad", "NOTSET") == "NOTSET":
+    if node.attr("count_include_pad") and attrs.get("auto_pad", "NOTSET") == "NOTSET":
         ones = xp.pad(ones, [(0, 0), (0, 0)] + [(declared[i], declared[i + nd]) for i in range(nd)],
                       constant_values=1)
         inner = Window(w.kernel, w.strides, w.dilations, (0,) * nd,

@@ -71,7 +71,7 @@ def pow_(ctx, node, a, b):
 @kernel("Mod")
 def mod(ctx, node, a, b):
     xp = ctx.xp
-    if node.attrs.get("fmod", 0) == 1:
+    if node.attr("fmod") == 1:
         return xp.fmod(a, b)
     return xp.mod(a, b)
 
@@ -127,9 +127,9 @@ def isnan(ctx, node, x):
 @kernel("IsInf")
 def isinf(ctx, node, x):
     result = ctx.xp.isinf(x)
-    if not node.attrs.get("detect_positive", 1):
+    if not node.attr("detect_positive"):
         result &= x < 0
-    if not node.attrs.get("detect_negative", 1):
+    if not node.attr("detect_negative"):
         result &= x > 0
     return result
 
@@ -193,28 +193,28 @@ def leaky_relu(ctx, node, x):
 
 @kernel("Elu")
 def elu(ctx, node, x):
-    alpha = node.attrs.get("alpha", 1.0)
+    alpha = node.attr("alpha")
     return ctx.xp.where(x > 0, x, alpha * (ctx.xp.exp(x) - 1.0)).astype(x.dtype)
 
 
 @kernel("Celu")
 def celu(ctx, node, x):
-    alpha = node.attrs.get("alpha", 1.0)
+    alpha = node.attr("alpha")
     xp = ctx.xp
     return (xp.maximum(x, 0) + xp.minimum(0, alpha * (xp.exp(x / alpha) - 1.0))).astype(x.dtype)
 
 
 @kernel("Selu")
 def selu(ctx, node, x):
-    alpha = node.attrs.get("alpha", 1.67326319217681884765625)
-    gamma = node.attrs.get("gamma", 1.05070102214813232421875)
+    alpha = node.attr("alpha")
+    gamma = node.attr("gamma")
     xp = ctx.xp
     return (gamma * xp.where(x > 0, x, alpha * (xp.exp(x) - 1.0))).astype(x.dtype)
 
 
 @kernel("ThresholdedRelu")
 def thresholded_relu(ctx, node, x):
-    alpha = node.attrs.get("alpha", 1.0)
+    alpha = node.attr("alpha")
     return ctx.xp.where(x > alpha, x, 0).astype(x.dtype)
 
 
@@ -231,7 +231,7 @@ def hard_swish(ctx, node, x):
 
 @kernel("Gelu", since=20)
 def gelu(ctx, node, x):
-    fn = gelu_tanh if node.attrs.get("approximate", "none") == "tanh" else gelu_exact
+    fn = gelu_tanh if node.attr("approximate") == "tanh" else gelu_exact
     return _same_dtype(ctx.xp, in_compute_dtype(fn)(ctx.xp, x), x.dtype)
 
 

@@ -56,7 +56,7 @@ def scatter_nd(ctx, node, data, indices, updates):
     k = indices.shape[-1]
     idx = indices.reshape(-1, k)
     upd = updates.reshape((idx.shape[0],) + data.shape[k:])
-    reduction = node.attrs.get("reduction", "none")
+    reduction = node.attr("reduction")
     idx = xp.where(idx < 0, idx + xp.asarray(data.shape[:k], dtype=idx.dtype), idx)
     check_bounds(ctx, idx, list(data.shape[:k]), "ScatterND")
     cols = tuple(idx[:, j] for j in range(k))
@@ -79,13 +79,13 @@ def _open_grid(xp, shape):
 @kernel("ScatterElements", since=11)
 def scatter_elements(ctx, node, data, indices, updates):
     xp = ctx.xp
-    axis = norm_axis(node.attrs.get("axis", 0), data.ndim)
+    axis = norm_axis(node.attr("axis"), data.ndim)
     indices = _fix_negative(xp, indices, data.shape[axis])
     check_bounds(ctx, indices, data.shape[axis], "ScatterElements")
     out = data.copy()
     grid = _open_grid(xp, indices.shape)
     grid[axis] = indices
-    reduction = node.attrs.get("reduction", "none")
+    reduction = node.attr("reduction")
     if reduction == "none":
         out[tuple(grid)] = updates
     else:
@@ -99,7 +99,7 @@ def scatter_elements(ctx, node, data, indices, updates):
 def one_hot(ctx, node, indices, depth, values):
     xp = ctx.xp
     depth = int(ctx.host_scalar(depth))
-    axis = node.attrs.get("axis", -1)
+    axis = node.attr("axis")
     rank = indices.ndim + 1
     axis = norm_axis(axis, rank)
     idx = indices.astype(np.int64)
@@ -113,8 +113,8 @@ def one_hot(ctx, node, indices, depth, values):
 def top_k(ctx, node, x, k):
     xp = ctx.xp
     k = int(ctx.host_scalar(k))
-    axis = norm_axis(node.attrs.get("axis", -1), x.ndim)
-    largest = node.attrs.get("largest", 1)
+    axis = norm_axis(node.attr("axis"), x.ndim)
+    largest = node.attr("largest")
     # stable sort on the key keeps the lower index first among equal values
     key = (~x if x.dtype.kind == "u" else -x) if largest else x
     order = xp.argsort(key, axis=axis, kind="stable")

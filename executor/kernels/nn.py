@@ -94,7 +94,7 @@ def layer_normalization(ctx, node, x, scale, bias=None):
     xp = ctx.xp
     axis = norm_axis(node.attr("axis"), x.ndim)
     epsilon = node.attrs.get("epsilon", 1e-5)
-    stash = np.dtype(np.float32) if node.attrs.get("stash_type", 1) == 1 else x.dtype
+    stash = np.dtype(np.float32) if node.attr("stash_type") == 1 else x.dtype
     stash = np.promote_types(stash, compute_dtype(x.dtype))
     centered, mean, inv_std = layer_norm_stats(xp, x, axis, epsilon, stash)
     y = centered  # a temporary of layer_norm_stats: scaled in place, same order
@@ -110,7 +110,7 @@ def batch_normalization(ctx, node, x, scale, bias, mean, var):
     xp = ctx.xp
     epsilon = node.attrs.get("epsilon", 1e-5)
     channel_shape = (1, -1) + (1,) * (x.ndim - 2)
-    training = node.opset >= 14 and node.attrs.get("training_mode", 0) == 1
+    training = node.opset >= 14 and node.attr("training_mode") == 1
     if training:
         axes = (0,) + tuple(range(2, x.ndim))
         batch_mean = x.mean(axis=axes)

@@ -142,11 +142,11 @@ def cumsum(ctx, node, x, axis):
     """Inclusive or exclusive running sum, forwards or in reverse (Bloom's ALiBi positions)."""
     xp = ctx.xp
     axis = norm_axis(ctx.host_scalar(axis), x.ndim)
-    reverse = node.attrs.get("reverse", 0)
+    reverse = node.attr("reverse")
     if reverse:
         x = xp.flip(x, axis)
     out = xp.cumsum(x, axis=axis, dtype=x.dtype)
-    if node.attrs.get("exclusive", 0):  # shifted by one along the axis, zero first
+    if node.attr("exclusive"):  # shifted by one along the axis, zero first
         shifted = xp.zeros_like(out)
         into = [slice(None)] * x.ndim
         into[axis] = slice(1, None)

@@ -56,14 +56,14 @@ def size(ctx, node, x):
 @kernel("Reshape", since=5)
 def reshape(ctx, node, x, shape_tensor):
     target = ctx.host_ints(shape_tensor)
-    if not node.attrs.get("allowzero", 0):
+    if not node.attr("allowzero"):
         target = [x.shape[i] if d == 0 else d for i, d in enumerate(target)]
     return x.reshape(target)
 
 
 @kernel("Flatten")
 def flatten(ctx, node, x):
-    axis = norm_axis(node.attrs.get("axis", 1), x.ndim)
+    axis = norm_axis(node.attr("axis"), x.ndim)
     outer = int(np.prod(x.shape[:axis], dtype=np.int64))
     return x.reshape(outer, -1) if x.size else x.reshape(outer, int(np.prod(x.shape[axis:])))
 
@@ -211,7 +211,7 @@ def constant_of_shape(ctx, node, shape_tensor):
 def trilu(ctx, node, x, k=None):
     k = 0 if k is None else ctx.host_scalar(k)
     xp = ctx.xp
-    return xp.triu(x, k) if node.attrs.get("upper", 1) else xp.tril(x, k)
+    return xp.triu(x, k) if node.attr("upper") else xp.tril(x, k)
 
 
 @kernel("Pad", since=11)
@@ -223,7 +223,7 @@ def pad(ctx, node, x, pads, constant_value=None, axes=None):
     n = len(axes)
     for i, axis in enumerate(axes):
         widths[axis] = (pads[i], pads[i + n])
-    mode = node.attrs.get("mode", "constant")
+    mode = node.attr("mode")
     xp = ctx.xp
     # negative pads crop
     crop = tuple(slice(-b if b < 0 else 0, x.shape[i] + a if a < 0 else None)
@@ -241,7 +241,7 @@ def pad(ctx, node, x, pads, constant_value=None, axes=None):
 def depth_to_space(ctx, node, x):
     b = node.attrs["blocksize"]
     n, c, h, w = x.shape
-    if node.attrs.get("mode", "DCR") == "DCR":
+    if node.attr("mode") == "DCR":
         y = x.reshape(n, b, b, c // (b * b), h, w).transpose(0, 3, 4, 1, 5, 2)
     else:
         y = x.reshape(n, c // (b * b), b, b, h, w).transpose(0, 1, 4, 2, 5, 3)

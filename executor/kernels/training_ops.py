@@ -229,5 +229,5 @@ def in_place_accumulator_v2(ctx, node, buffer, value, overwrite_flag=None):
 @_ms("Scale")
 def scale(ctx, node, x, factor):
     factor = factor.astype(x.dtype).reshape(())
-    return x / factor if node.attrs.get("scale_down", 0) else x * factor
+    return x / factor if node.attr("scale_down") else x * factor
 
