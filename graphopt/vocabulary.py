@@ -46,6 +46,7 @@ FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
 # (onnxruntime/core/graph/contrib_ops/contrib_defs.cc, orttraining/core/graph/
 # training_op_defs.cc) for the com.microsoft ops whose defaults graphopt reads.
 _CONTRIB_DEFAULTS = {
+    "ConvGrad": {"group": 1},
     "FusedMatMul": {"alpha": 1.0, "transA": 0, "transB": 0, "transBatchA": 0,
                     "transBatchB": 0},
     "GatherGrad": {"axis": 0},

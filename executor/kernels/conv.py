@@ -131,7 +131,7 @@ def conv_transpose(ctx, node, x, weight, bias=None):
             for s, i, op, k, d in zip(strides, in_spatial, out_pad, kernel_shape, dilations,
                                       strict=True)]
     pads = list(attrs.get("pads") or [0] * (2 * nd))
-    auto_pad = attrs.get("auto_pad", "NOTSET")
+    auto_pad = node.attr("auto_pad")
     if attrs.get("output_shape") or auto_pad in ("SAME_UPPER", "SAME_LOWER"):
         target = (attrs.get("output_shape")
                   or [i * s for i, s in zip(in_spatial, strides, strict=True)])
@@ -168,7 +168,7 @@ def conv_transpose(ctx, node, x, weight, bias=None):
 def conv_grad(ctx, node, dy, x, weight):
     """dX, dW, dB of Conv(x, weight[, bias]) given dY; each as a single GEMM."""
     xp = ctx.xp
-    group = node.attrs.get("group", 1)
+    group = node.attr("group")
     kernel_shape = node.attrs.get("kernel_shape") or list(weight.shape[2:])
     w = window_geometry(node.attrs, x.shape[2:], kernel_shape)
     n, m = dy.shape[:2]
@@ -236,7 +236,7 @@ def average_pool(ctx, node, x):
     declared = list(attrs.get("pads") or [0] * (2 * nd))
     ones_shape = (1, 1) + tuple(x.shape[2:])
     ones = xp.ones(ones_shape, dtype=x.dtype)
-    if node.attr("count_include_pad") and attrs.get("auto_pad", "NOTSET") == "NOTSET":
+    if node.attr("count_include_pad") and node.attr("auto_pad") == "NOTSET":
         ones = xp.pad(ones, [(0, 0), (0, 0)] + [(declared[i], declared[i + nd]) for i in range(nd)],
                       constant_values=1)
         inner = Window(w.kernel, w.strides, w.dilations, (0,) * nd,
