@@ -125,3 +125,60 @@ def test_attribute_defaults_come_from_the_onnx_schemas():
     assert vocabulary.attribute_default("SoftmaxCrossEntropyLoss", "reduction") == b"mean"
     with pytest.raises(KeyError):
         vocabulary.attribute_default("Transpose", "perm")  # no default: the reverse order
+
+
+# Attribute defaults still written where they are read, and why the schema's would not do.
+HAND_WRITTEN_DEFAULTS = {
+    # floats: ONNX stores them as float32 (0.01 -> 0.0099999998), which would change float64
+    # results; Clip-6's schema bounds are +-FLT_MAX where the kernel clips at +-inf
+    ("executor/kernels/elementwise.py", "alpha"), ("executor/kernels/elementwise.py", "beta"),
+    ("executor/kernels/elementwise.py", "min"), ("executor/kernels/elementwise.py", "max"),
+    ("executor/kernels/nn.py", "epsilon"), ("executor/kernels/nn.py", "momentum"),
+    # Softmax's axis as read for the standard op and ONNX Runtime's SoftmaxGrad_13 alike
+    ("executor/kernels/nn.py", "axis"),
+    # window_geometry reads a decoded attribute dict shared by Conv, the pools and ConvGrad
+    ("executor/kernels/conv.py", "auto_pad"),
+    # not ONNX attributes with a default: an ATen overload, SpaceToDepth's mode (ONNX has
+    # none: the kernel accepts DepthToSpace's), YieldOp's optional list, ConcatTraining's
+    # required axis
+    ("executor/kernels/aten.py", "overload_name"), ("executor/kernels/shape.py", "mode"),
+    ("executor/kernels/training_ops.py", "non_differentiable_outputs"),
+    ("executor/output_sizes.py", "non_differentiable_outputs"),
+    ("executor/output_sizes.py", "axis"),
+}
+
+
+def literal_defaults(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[tuple[str, str]]:
+    """``x.attr("name", <literal>)`` and ``x.attrs.get("name", <literal>)`` calls: an attribute
+    read with its default written by hand."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and len(node.args) == 2 and isinstance(node.args[0], ast.Constant)):
+            continue
+        reads_attribute = node.func.attr == "attr" or (
+            node.func.attr == "get" and "attr" in ast.unparse(node.func.value))
+        default = node.args[1]
+        literal = isinstance(default, (ast.Constant, ast.UnaryOp, ast.List, ast.Tuple)) or (
+            isinstance(default, ast.Attribute) and ast.unparse(default).startswith("math."))
+        if reads_attribute and literal:
+            found.append((str(path.relative_to(root)), node.args[0].value))
+    return found
+
+
+def test_attribute_defaults_are_not_written_by_hand():
+    found = {hit for path in source_files() for hit in literal_defaults(path)}
+    unexplained = sorted(found - HAND_WRITTEN_DEFAULTS)
+    assert not unexplained, ("read these defaults with graphopt.vocabulary.attribute_default "
+                             f"(node.attr in the executor, ctx.attr_or_default in gradients): "
+                             f"{unexplained}")
+    assert not HAND_WRITTEN_DEFAULTS - found, "an exception above no longer applies: remove it"
+
+
+def test_the_default_scan_finds_a_hand_written_default(tmp_path):
+    path = tmp_path / "x.py"
+    path.write_text('a = node.attrs.get("keepdims", 1)\nb = ctx.attr("axis", -1)\n'
+                    'c = node.attr("perm")\nd = node.attrs.get("end", rank)\n'
+                    'e = node.attrs.get("min", -math.inf)\nf = options.get("level", 1)\n')
+    assert literal_defaults(path, tmp_path) == [("x.py", "keepdims"), ("x.py", "axis"),
+                                                ("x.py", "min")]
