@@ -1,9 +1,11 @@
 """The words graphopt shares with ONNX and ONNX Runtime, each spelled once.
 
 Domains, the training graph's YieldOp and backward-pass annotation, the float element types
-and attribute defaults. This is the lowest layer: it imports only onnx, and every other layer
-(rules, graphopt.training, the executor, the trainer) takes these names from here;
-tests/test_vocabulary.py fails when one of the literals is spelled anywhere else.
+and attribute defaults (read from the ONNX schemas, not written again where an attribute is
+read). This is the lowest layer: it imports only onnx, and every other layer (rules,
+graphopt.training, the executor, the trainer) takes these names from here.
+tests/test_vocabulary.py fails when one of the literals is spelled, one of these names defined,
+or an attribute default written by hand anywhere else.
 """
 from __future__ import annotations
 
