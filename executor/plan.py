@@ -8,6 +8,7 @@ the live set in memory.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,14 @@ def decode_attributes(node: onnx.NodeProto) -> dict[str, Any]:
     return attrs
 
 
+@functools.cache  # kernels ask at every run: one schema lookup per (op, attribute, opset)
+def _schema_default(op_type: str, name: str, domain: str, opset: int):
+    value = attribute_default(op_type, name, domain, opset)
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    return tuple(value) if isinstance(value, list) else value
+
+
 @dataclass(eq=False)
 class PlannedNode:
     """A graph node with its attributes decoded once, as kernels see it."""
@@ -56,10 +65,13 @@ class PlannedNode:
     def attr(self, name: str) -> Any:
         """The attribute's value, or the default the op's schema gives at this opset (see
         graphopt.vocabulary.attribute_default; strings decoded as decode_attributes does)."""
-        if name in self.attrs:
-            return self.attrs[name]
-        value = attribute_default(self.op_type, name, self.domain, self.opset)
-        return value.decode("utf-8") if isinstance(value, bytes) else value
+        attrs = self.attrs
+        if name in attrs:
+            return attrs[name]
+        value = _schema_default(self.op_type, name, self.domain, self.opset)
+        # kept, so the next run reads it as fast as a given attribute
+        attrs[name] = value = list(value) if type(value) is tuple else value
+        return value
 
     @property
     def is_backward(self) -> bool:
