@@ -7,6 +7,13 @@ working tree), runs only the test files that cover that code (with a timeout), r
 file, and counts the mutant as killed when the tests fail. It reports the kill rate per area
 and lists the survivors.
 
+The source folders run only as an installed package (setup.cfg maps rules/, executor/ and
+trainer/ into graphopt, setup.py places cli.py), so the copy is built once with the project's
+own build, as a strict editable install (pip install -e, editable_mode=strict) into a folder
+of its own: a tree of links to the copy's files, which the tests import (PYTHONPATH) instead
+of any graphopt this environment has installed. A mutant written into the copy is what they
+run, with no build per mutant. The environment needs pip and setuptools (no network).
+
 Not part of CI (it runs the relevant tests once per mutant):
 
     python scripts/mutation_check.py                   # every mutant
@@ -16,8 +23,9 @@ Not part of CI (it runs the relevant tests once per mutant):
     python scripts/mutation_check.py --mutants scripts/mutants_outside_review.py  # another list
 
 A mutant whose text is no longer in the file (the code moved on) is reported as STALE, not
-as killed: update its ``old`` text. Before the mutants run, the union of their test files
-runs once unmutated; if that fails, nothing is reported (a failing suite kills everything).
+as killed (``--list`` marks those too): update its ``old`` text. Before the mutants run, the
+union of their test files runs once unmutated; if that fails, nothing is reported (a failing
+suite kills everything).
 """
 from __future__ import annotations
 
@@ -211,7 +219,7 @@ MUTANTS: list[Mutant] = [
     m("implicit_inputs_ignored", "marking", MARK,
       "list(node.input) + graph._implicit.get(node_id, [])", "list(node.input)", *T_MARK),
     m("two_yields_accepted", "marking", MARK,
-      "    if len(yields) > 1:", "    if False:", *T_MARK),
+      "    if len(yields) + len(nested) > 1 or nested:", "    if nested:", *T_MARK),
     m("yield_itself_forward", "marking", MARK,
       "    ancestors: set[int] = set()", "    ancestors: set[int] = {yield_id}", *T_MARK),
     # ---- sticky attributes ----------------------------------------------------------------
@@ -337,7 +345,8 @@ MUTANTS: list[Mutant] = [
       "            pass", *T_CKPT),
     # ---- CLI exit codes -------------------------------------------------------------------
     m("interrupted_run_exits_0", "cli exit codes", CLI,
-      "    if outcome.result.interrupted:\n        sys.exit(130)",
+      "    if outcome.result.interrupted:\n        sys.exit(128 + (outcome.result.stop_signal"
+      " or signal.SIGINT))",
       "    if outcome.result.interrupted:\n        sys.exit(0)", *T_CLI),
     m("out_of_memory_exits_2", "cli exit codes", CLI,
       'click.echo("graphopt: error: out of memory", err=True)\n            sys.exit(1)',
@@ -347,17 +356,15 @@ MUTANTS: list[Mutant] = [
       'click.echo(f"graphopt: error: {cli_words(str(exc))}", err=True)\n            sys.exit(2)',
       *T_CLI),
     m("keyboard_interrupt_exits_1", "cli exit codes", CLI,
-      "            click.echo(INTERRUPTED, err=True)\n            sys.exit(130)\n        except "
-      "MemoryError",
-      "            click.echo(INTERRUPTED, err=True)\n            sys.exit(1)\n        except "
-      "MemoryError", *T_CLI),
+      'else INTERRUPTED, err=True)\n    sys.exit(130)',
+      'else INTERRUPTED, err=True)\n    sys.exit(1)', *T_CLI),
 ]
 
 
 # ---- running ---------------------------------------------------------------------------------
 def copy_tree(target: str) -> None:
     """The tracked and untracked-but-not-ignored files of the working tree (what git would
-    commit), with the symlinks kept as links."""
+    commit), with any symlinks kept as links."""
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
                              "--exclude-standard"], cwd=ROOT, check=True,
                             capture_output=True).stdout.split(b"\0")
@@ -375,10 +382,56 @@ def copy_tree(target: str) -> None:
             shutil.copy2(src, dst)
 
 
-def run_tests(tree: str, tests, timeout: float, verbose: bool) -> tuple[str, float]:
-    """('pass' | 'fail' | 'timeout' | 'error', seconds) of pytest on ``tests`` in ``tree``."""
-    env = {**os.environ, "PYTHONPATH": tree, "PYTHONDONTWRITEBYTECODE": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+def install_tree(tree: str, site: str) -> str:
+    """Build ``tree`` into ``site`` as a strict editable install and return the folder that
+    puts its graphopt on ``sys.path``: setuptools' tree of links to ``tree``'s files (named
+    by the install's .pth file), so an edit of a file in ``tree`` is what imports see."""
+    done = subprocess.run([sys.executable, "-P", "-m", "pip", "install", "-q", "--no-deps",
+                           "--no-build-isolation", "--no-input", "--target", site,
+                           "--config-settings", "editable_mode=strict", "-e", tree],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"mutation_check: cannot build the copied tree (pip install -e):\n"
+                         f"{done.stderr.strip()}")
+    paths = [line.strip() for name in sorted(os.listdir(site)) if name.endswith(".pth")
+             for line in open(os.path.join(site, name), encoding="utf-8")
+             if line.strip() and not line.startswith(("#", "import"))]
+    if len(paths) != 1:
+        raise SystemExit(f"mutation_check: expected one path in the install's .pth files in "
+                         f"{site}, found {paths}")
+    return paths[0]
+
+
+# Which files the tests import: one module from each mapped folder and cli.py.
+WHERE_FROM = ("import graphopt.cli, graphopt.engine, graphopt.executor, graphopt.rules, "
+              "graphopt.trainer, os, sys\n"
+              "for m in (graphopt.cli, graphopt.engine, graphopt.executor, graphopt.rules, "
+              "graphopt.trainer):\n"
+              "    print(os.path.realpath(m.__file__))\n")
+
+
+def tests_env(linked: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": linked, "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def check_imports_from(tree: str, env: dict[str, str]) -> None:
+    """Refuse to run when the tests would import graphopt from anywhere but ``tree`` (every
+    mutant would then survive, or be killed, for the wrong reason)."""
+    done = subprocess.run([sys.executable, "-P", "-c", WHERE_FROM], cwd=tree, env=env,
+                          capture_output=True, text=True)
+    real = os.path.realpath(tree) + os.sep
+    files = done.stdout.split()
+    if done.returncode != 0 or len(files) != 5 or not all(f.startswith(real) for f in files):
+        raise SystemExit(f"mutation_check: the tests would not import the copied tree "
+                         f"{tree}:\n{done.stdout}{done.stderr}")
+
+
+def run_tests(tree: str, env: dict[str, str], tests, timeout: float,
+              verbose: bool) -> tuple[str, float]:
+    """('pass' | 'fail' | 'timeout' | 'error', seconds) of pytest on ``tests`` in ``tree``.
+    ``-P``: the root of ``tree`` must not be on sys.path (its graphopt/ folder is only part
+    of the package)."""
+    cmd = [sys.executable, "-P", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
            "-m", "not slow and not gpu", *tests]
     started = time.perf_counter()
     try:
@@ -392,6 +445,16 @@ def run_tests(tree: str, tests, timeout: float, verbose: bool) -> tuple[str, flo
     # 0: passed; 1: tests failed; 2: interrupted (a collection error counts as killed: the
     # mutant broke an import); 4/5: usage error / nothing collected = a broken mutant list
     return {0: "pass", 1: "fail", 2: "fail"}.get(done.returncode, "error"), seconds
+
+
+def apply_edits(mu: Mutant, text: str) -> str | None:
+    """``text`` with the mutant's edits, or None when an ``old`` text no longer occurs exactly
+    once (the code moved on: the mutant must be updated)."""
+    for old, new in mu.edits:
+        if text.count(old) != 1:
+            return None
+        text = text.replace(old, new)
+    return text
 
 
 def load_mutants(path: str) -> list[Mutant]:
@@ -421,16 +484,23 @@ def main(argv=None) -> int:
               and (not args.id or mu.id in args.id)]
     if args.list:
         for mu in chosen:
-            print(f"{mu.area:20} {mu.id:45} {mu.path}")
+            with open(os.path.join(ROOT, mu.path), encoding="utf-8") as f:
+                stale = apply_edits(mu, f.read()) is None
+            print(f"{mu.area:20} {mu.id:45} {mu.path}" + ("  STALE" if stale else ""))
         return 0
     if not chosen:
         parser.error("no mutant selected")
 
-    with tempfile.TemporaryDirectory(prefix="graphopt-mutants-") as tree:
+    with tempfile.TemporaryDirectory(prefix="graphopt-mutants-") as folder:
+        tree = os.path.join(folder, "tree")
         copy_tree(tree)
+        started = time.perf_counter()
+        env = tests_env(install_tree(tree, os.path.join(folder, "site")))
+        check_imports_from(tree, env)
+        print(f"built the copied tree in {time.perf_counter() - started:.0f}s", flush=True)
         if not args.no_baseline:
             union = list(dict.fromkeys(t for mu in chosen for t in mu.tests))
-            outcome, seconds = run_tests(tree, union, args.timeout * 2, args.verbose)
+            outcome, seconds = run_tests(tree, env, union, args.timeout * 2, args.verbose)
             print(f"baseline (unmutated, {len(union)} test targets): {outcome} in {seconds:.0f}s",
                   flush=True)
             if outcome != "pass":
@@ -441,19 +511,14 @@ def main(argv=None) -> int:
             target = os.path.join(tree, mu.path)
             with open(target, encoding="utf-8") as f:
                 original = f.read()
-            mutated = original
-            outcome = None
-            for old, new in mu.edits:
-                if mutated.count(old) != 1:
-                    outcome = "stale"  # the text moved on: the mutant must be updated
-                    break
-                mutated = mutated.replace(old, new)
+            mutated = apply_edits(mu, original)
+            outcome = None if mutated is not None else "stale"
             seconds = 0.0
             if outcome is None:
                 with open(target, "w", encoding="utf-8") as f:
                     f.write(mutated)
                 try:
-                    outcome, seconds = run_tests(tree, mu.tests, args.timeout, args.verbose)
+                    outcome, seconds = run_tests(tree, env, mu.tests, args.timeout, args.verbose)
                 finally:
                     with open(target, "w", encoding="utf-8") as f:
                         f.write(original)
