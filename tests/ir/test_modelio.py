@@ -8,40 +8,11 @@ import numpy as np
 import onnx
 import pytest
 from conftest import fixture_path, run_ort
-from onnx import helper, numpy_helper
+from onnx import numpy_helper
 
 import graphopt
 from graphopt import modelio
-
-
-def weights_model(seed: int = 0) -> onnx.ModelProto:
-    """x @ Transpose(W) * 0.5 + b: the FusedMatMul rules fire, W stays a (big) weight."""
-    rng = np.random.default_rng(seed)
-    w = numpy_helper.from_array(rng.standard_normal((80, 64)).astype(np.float32), "W")
-    b = numpy_helper.from_array(rng.standard_normal(80).astype(np.float32), "b")
-    s = numpy_helper.from_array(np.array(0.5, np.float32), "s")
-    graph = helper.make_graph(
-        [helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]),
-         helper.make_node("MatMul", ["x", "Wt"], ["p"]),
-         helper.make_node("Mul", ["p", "s"], ["q"]),
-         helper.make_node("Add", ["q", "b"], ["y"])], "g",
-        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3, 64])],
-        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [3, 80])],
-        initializer=[w, b, s])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    onnx.checker.check_model(model)
-    return model
-
-
-def save_external(model, folder, name="model.onnx", location="w.bin") -> str:
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, name)
-    onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=location, size_threshold=0)
-    return path
-
-
-FEEDS = {"x": np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)}
+from ir.helpers import FEEDS, save_external, weights_model
 
 
 def expected_y(seed: int = 0):

@@ -19,6 +19,7 @@ import onnx
 import pytest
 from click.testing import CliRunner
 from conftest import run_ort
+from ir.helpers import FEEDS, save_external, weights_model
 from onnx import TensorProto, helper, numpy_helper
 
 import graphopt
@@ -26,33 +27,6 @@ from graphopt import modelio
 from graphopt.cli import main
 
 CLI = [sys.executable, "-P", "-m", "graphopt.cli"]
-FEEDS = {"x": np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)}
-
-
-def weights_model(seed: int = 0, scale: float = 1.0) -> onnx.ModelProto:
-    """x @ Transpose(W) * 0.5 + b: W (80x64) stays a weight through every rule."""
-    rng = np.random.default_rng(seed)
-    w = numpy_helper.from_array(
-        (scale * rng.standard_normal((80, 64))).astype(np.float32), "W")
-    b = numpy_helper.from_array(rng.standard_normal(80).astype(np.float32), "b")
-    s = numpy_helper.from_array(np.array(0.5, np.float32), "s")
-    graph = helper.make_graph(
-        [helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]),
-         helper.make_node("MatMul", ["x", "Wt"], ["p"]),
-         helper.make_node("Mul", ["p", "s"], ["q"]),
-         helper.make_node("Add", ["q", "b"], ["y"])], "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 64])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 80])],
-        initializer=[w, b, s])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-
-
-def save_external(model, folder, name="model.onnx", location="w.bin") -> str:
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, name)
-    onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=location, size_threshold=0)
-    return path
 
 
 def invoke(*args):
