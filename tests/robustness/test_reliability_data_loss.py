@@ -86,6 +86,48 @@ def test_item01_report_onto_the_output_is_refused(tmp_path):
     assert os.listdir(tmp_path) == ["m"]
 
 
+# Two names of one file (a hard link) are one file: comparing paths, even real paths, is not
+# enough; the file's identity (device, inode) is.
+def test_item01_hard_linked_outputs_are_refused_as_the_same_file(tmp_path):
+    a, b = tmp_path / "out" / "a.onnx", tmp_path / "out" / "b.json"
+    a.parent.mkdir()
+    a.write_bytes(b"the user's file")
+    os.link(a, b)
+    with pytest.raises(graphopt.GraphoptError, match="b.json: --report and -o are the same"):
+        modelio.refuse_same_outputs({"-o": str(a), "--report": str(b)})
+    src = save_external(weights_model(), tmp_path / "m")
+    one_error_line(invoke("optimize", src, "-o", a, "--report", b), "are the same file")
+    model = mlp_external(tmp_path / "mlp")
+    run = ["run", model, "--data", mlp_npz(tmp_path), "--loss", "cross_entropy",
+           "--batch-size", "4", "--steps", "1", "--device", "cpu", "-q"]
+    one_error_line(invoke(*run, "-o", a, "--save-graph", b), "are the same file")
+    assert sorted(os.listdir(a.parent)) == ["a.onnx", "b.json"]
+    assert a.read_bytes() == b"the user's file" and os.path.samefile(a, b)
+
+
+def test_item01_output_hard_linked_to_the_input_is_refused(tmp_path):
+    src = save_external(weights_model(), tmp_path / "m")
+    before = snapshot(tmp_path / "m")
+    (tmp_path / "out").mkdir()
+    model_link, data_link = tmp_path / "out" / "model.onnx", tmp_path / "out" / "w.bin"
+    os.link(src, model_link)
+    one_error_line(invoke("optimize", src, "-o", model_link), "would overwrite the input")
+    one_error_line(invoke("optimize", src, "-o", tmp_path / "out" / "o.onnx", "--report",
+                          model_link), "the --report would overwrite the input model")
+    os.unlink(model_link)
+    # a data file with a second name: onnx's checker refuses the model (a hardlink attack)
+    os.link(tmp_path / "m" / "w.bin", data_link)
+    one_error_line(invoke("optimize", src, "-o", data_link), "hard link")
+    os.unlink(data_link)
+    # and the API's save, when the link appears after the model was loaded
+    loaded = graphopt.load(src)
+    os.link(tmp_path / "m" / "w.bin", data_link)
+    with pytest.raises(graphopt.GraphoptError, match="external data file 'w.bin'"):
+        graphopt.save(loaded, str(data_link))
+    os.unlink(data_link)
+    assert snapshot(tmp_path / "m") == before and os.listdir(tmp_path / "out") == []
+
+
 def test_item01_run_output_onto_external_data_is_refused(tmp_path):
     src = mlp_external(tmp_path / "m")
     data = mlp_npz(tmp_path)
