@@ -21,7 +21,10 @@ if [ -d .wheels ]; then
   "$py" -m pip install -q --no-index --find-links .wheels pytest click onnx-graphsurgeon \
       onnx ml_dtypes >"$out/install.txt" 2>&1 || echo "wheel install failed: see install.txt"
 fi
-"$py" -m pip install -q --no-deps --no-build-isolation -e . >>"$out/install.txt" 2>&1
+# a real build (the source folders run only as an installed package; a plain editable
+# install has no graphopt.cli), reinstalled even where this venv has an older one
+"$py" -m pip install -q --no-deps --no-build-isolation --force-reinstall . \
+    >>"$out/install.txt" 2>&1
 
 declare -A rc seconds
 step() {  # step NAME TIMEOUT COMMAND...
@@ -40,7 +43,8 @@ p = cupy.cuda.runtime.getDeviceProperties(0)
 name = p['name'].decode() if isinstance(p['name'], bytes) else p['name']
 print(f'{name}; {n} device(s); CuPy {cupy.__version__}; hip={cupy.cuda.runtime.is_hip}')"
 if [ "${rc[device]}" = 0 ]; then
-  step pytest_gpu 240 "$py" -m pytest -q -p no:cacheprovider --junitxml="$out/pytest_gpu.xml" \
+  # -P: the repository root must not be on sys.path (its graphopt/ is only part of the package)
+  step pytest_gpu 240 "$py" -P -m pytest -q -p no:cacheprovider --junitxml="$out/pytest_gpu.xml" \
       tests/numerics/test_gpu.py tests/executor/test_gpu.py tests/executor/test_cupy_api.py \
       tests/numerics/test_gemm_plan.py tests/train/test_fused_adamw.py tests/train/test_device_resident.py \
       tests/executor/test_device_transfers.py tests/numerics/test_weight_conversion_cache.py \
