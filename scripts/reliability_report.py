@@ -18,6 +18,10 @@
    round (tests/robustness/concurrency.py): the output must always be one complete pair.
 
 Failures are listed; the exit code is 1 if anything failed that is not a known bug.
+
+The figures are this tree's: it runs the graphopt this Python imports (and the `graphopt`
+command beside it), which must be this tree installed (pip install -e .: the source folders
+run only as an installed package); another checkout's install is refused (exit 2).
 """
 from __future__ import annotations
 
@@ -31,6 +35,25 @@ import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+
+def graphopt_elsewhere() -> str | None:
+    """Why the graphopt this Python imports is not this tree's, or None: the report would
+    measure another checkout (a shared environment's install of another worktree)."""
+    try:
+        import graphopt.cli
+        import graphopt.executor
+        import graphopt.trainer
+    except ImportError as exc:
+        return f"cannot import graphopt ({exc}): install this tree (pip install -e .)"
+    files = [os.path.realpath(m.__file__)
+             for m in (graphopt, graphopt.cli, graphopt.executor, graphopt.trainer)]
+    outside = [f for f in files if not f.startswith(os.path.join(os.path.realpath(ROOT), ""))]
+    if outside:
+        return (f"this Python imports graphopt from {os.path.dirname(outside[0])}, not from "
+                f"this tree {ROOT}: install this tree (pip install -e .) into an environment "
+                "of its own and run the report with that environment's Python")
+    return None
 
 
 def random_graphs(count: int, seed: int | None):
@@ -134,6 +157,10 @@ def main(argv=None) -> int:
                         choices=["graphs", "hostile", "kill", "run-kill", "concurrent"],
                         help="leave a part out")
     args = parser.parse_args(argv)
+    elsewhere = graphopt_elsewhere()
+    if elsewhere:
+        print(f"reliability_report: error: {elsewhere}", file=sys.stderr)
+        return 2
     bad = 0
     lines = ["## Reliability (scripts/reliability_report.py)", ""]
 
