@@ -66,6 +66,20 @@ def bench_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in BLAS_VARS}
 
 
+def install_tree(tree: str | Path, target: str | Path) -> str:
+    """Build ``tree`` (a checkout of this repository) with its own build and install it into
+    the folder ``target``; return ``target``, the folder to put first on a benchmark
+    process's PYTHONPATH. The source folders run only as an installed package (setup.cfg
+    maps rules/, executor/ and trainer/ into graphopt, setup.py places cli.py). No
+    dependencies, no network: this environment has them."""
+    done = subprocess.run([sys.executable, "-P", "-m", "pip", "install", "-q", "--no-deps",
+                           "--no-build-isolation", "--no-input", "--target", str(target),
+                           str(tree)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"cannot build and install {tree}:\n{done.stderr.strip()}")
+    return str(target)
+
+
 def blas_kernel() -> str:
     """Which BLAS numpy runs in this process, and its kernel (threadpoolctl)."""
     try:

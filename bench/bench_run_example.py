@@ -3,14 +3,19 @@ training) on this tree and on a baseline commit, each run in a process of its ow
 taking turns (see _common for the method). Writes its section of bench/RESULTS.md.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_run_example.py \\
-        [--baseline 1342e4c] [--runs 9]
+        [--baseline 1342e4c] [--runs 9] [--steps N] [--no-write]
 
 The baseline is extracted with ``git archive`` into a temporary folder and run from there
-(default: 1342e4c, the code before issue 15's work). Both runs use this Python environment.
+(default: 1342e4c, the code before issue 15's work: its layout, with symlinks, runs from its
+source folder). This tree runs only as an installed package, so it is built and installed
+(pip, no dependencies) into a temporary folder first. Each run gets its code through
+PYTHONPATH, not from whatever graphopt this environment has installed; both use this
+environment's Python and packages, and a neutral working folder.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import subprocess
 import sys
@@ -18,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import MIN_RUNS, bench_env, command_line, machine, med_min, publish
+from _common import MIN_RUNS, bench_env, command_line, install_tree, machine, med_min, publish
 
 SECTION = "`graphopt run --example mqa` wall time (issue 15)"
 REPO = Path(__file__).resolve().parent.parent
@@ -31,18 +36,37 @@ def _extract(commit: str, folder: str) -> None:
     subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
 
 
-def _timed_run(tree: str) -> tuple[float, float]:
-    """(wall seconds, CPU seconds) of one ``graphopt run --example mqa`` from ``tree``."""
+def _timed_run(code: str, cwd: str, steps: int | None) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one ``graphopt run --example mqa`` whose graphopt is
+    the one in the folder ``code``."""
     env = bench_env()
-    env["PYTHONPATH"] = tree
+    env["PYTHONPATH"] = code
+    command = [sys.executable, "-P", "-m", "graphopt", "run", "--example", "mqa"]
+    if steps is not None:
+        command += ["--steps", str(steps)]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-P", "-m", "graphopt", "run", "--example", "mqa"], cwd=tree,
-                   env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    subprocess.run(command, cwd=cwd, env=env, check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.PIPE)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return wall, cpu
+
+
+def _check_runs_from(trees: dict[str, str]) -> None:
+    """Each contender must import graphopt (and its executor) from its own folder."""
+    probe = ("import graphopt.executor, os; "
+             "print(os.path.realpath(graphopt.__file__)); "
+             "print(os.path.realpath(graphopt.executor.__file__))")
+    for name, code in trees.items():
+        done = subprocess.run([sys.executable, "-P", "-c", probe], env={**bench_env(),
+                              "PYTHONPATH": code}, capture_output=True, text=True)
+        real = os.path.realpath(code) + os.sep
+        files = done.stdout.split()
+        if done.returncode != 0 or len(files) != 2 or not all(f.startswith(real) for f in files):
+            raise SystemExit(f"{name}: graphopt is not imported from {code}:\n"
+                             f"{done.stdout}{done.stderr}")
 
 
 def main(argv=None) -> int:
@@ -51,17 +75,24 @@ def main(argv=None) -> int:
     parser.add_argument("--baseline", default=BASELINE, help="commit to compare with")
     parser.add_argument("--runs", type=int, default=MIN_RUNS)
     parser.add_argument("--no-write", action="store_true", help="do not update bench/RESULTS.md")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="fewer steps than the example's 300 (a quick check of the script)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
-        _extract(args.baseline, folder)
-        trees = {"baseline": folder, "this tree": str(REPO)}
+        baseline, work = Path(folder, "baseline"), Path(folder, "work")
+        baseline.mkdir()
+        work.mkdir()
+        _extract(args.baseline, str(baseline))
+        trees = {"baseline": str(baseline),
+                 "this tree": install_tree(REPO, Path(folder, "this-tree"))}
+        _check_runs_from(trees)
         walls = {name: [] for name in trees}
         cpus = {name: [] for name in trees}
-        for tree in trees.values():  # warm-up: bytecode caches, page cache
-            _timed_run(tree)
+        for code in trees.values():  # warm-up: bytecode caches, page cache
+            _timed_run(code, str(work), args.steps)
         for i in range(args.runs):
-            for name, tree in trees.items():
-                wall, cpu = _timed_run(tree)
+            for name, code in trees.items():
+                wall, cpu = _timed_run(code, str(work), args.steps)
                 walls[name].append(wall)
                 cpus[name].append(cpu)
                 print(f"run {i + 1}/{args.runs} {name}: {wall:.2f} s wall, {cpu:.2f} s CPU",
@@ -71,8 +102,10 @@ def main(argv=None) -> int:
     stats = {name: (med_min(walls[name], 1), med_min(cpus[name], 1)) for name in trees}
     (b_med, b_min), (b_cpu, _) = stats["baseline"]
     (t_med, t_min), (t_cpu, _) = stats["this tree"]
+    steps = "" if args.steps is None else f" --steps {args.steps}"
+    what = "300 AdamW steps, " if args.steps is None else "AdamW, "
     lines = [
-        "`graphopt run --example mqa` (defaults: 300 AdamW steps, batch 32, float32), process "
+        f"`graphopt run --example mqa{steps}` (defaults: {what}batch 32, float32), process "
         f"start to exit, stdout discarded; each run a process of its own, baseline and this "
         f"tree taking turns, one warm-up run each, then {args.runs} runs each.",
         "",
