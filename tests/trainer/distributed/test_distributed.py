@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import numpy_helper
-from train.helpers import mlp_data, write_npz  # tests/train/helpers.py (tests/ is on sys.path)
+from support.training_runs import mlp_data, write_npz
 
 from graphopt.errors import GraphoptError
 from graphopt.trainer import RunOptions, run
