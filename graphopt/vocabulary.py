@@ -2,10 +2,10 @@
 
 Domains, the training graph's YieldOp and backward-pass annotation, the float element types,
 attribute defaults (read from the ONNX schemas, not written again where an attribute is
-read) and a tensor type's dims. This is the lowest layer: it imports only onnx, and every other layer (rules,
-graphopt.training, the executor, the trainer) takes these names from here.
-tests/architecture/test_vocabulary.py fails when one of the literals is spelled, one of these names defined,
-or an attribute default written by hand anywhere else.
+read) and a tensor type's dims. This is the lowest layer: it imports only onnx, and every
+other layer (rules, graphopt.training, the executor, the trainer) takes these names from
+here. tests/architecture/test_vocabulary.py fails when one of the literals is spelled, one
+of these names defined, or an attribute default written by hand anywhere else.
 """
 from __future__ import annotations
 
