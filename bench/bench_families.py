@@ -17,8 +17,8 @@ import tempfile
 from _common import publish
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "tests", "fixtures"))
-import hf_families  # noqa: E402
+                                "tests"))
+from support import hf_families  # noqa: E402
 
 SECTION = "Fused-QKV families: Split and FusedMatMul fusions, errors vs PyTorch (issue 17)"
 

@@ -12,8 +12,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from graphopt.ir import type_dims
-from graphopt.vocabulary import is_yield_op
+from graphopt.vocabulary import is_yield_op, type_dims
 
 from .backend import select_backend
 from .context import KernelContext

@@ -18,7 +18,13 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from .vocabulary import MS_DOMAIN, STANDARD_DOMAIN, STANDARD_DOMAIN_ALIAS, normalize_domain
+from .vocabulary import (
+    MS_DOMAIN,
+    STANDARD_DOMAIN,
+    STANDARD_DOMAIN_ALIAS,
+    normalize_domain,
+    type_dims,
+)
 
 _A = onnx.AttributeProto
 # (slicing a repeated field gives a list in one C call, about 2.5x faster than list())
@@ -37,22 +43,6 @@ def get_attr(node: onnx.NodeProto, name: str, default=None):
             simple = _SIMPLE_ATTRIBUTE_VALUE.get(attr.type)
             return simple(attr) if simple else onnx.helper.get_attribute_value(attr)
     return default
-
-
-def type_dims(type_proto: onnx.TypeProto) -> list[int | str | None] | None:
-    """A tensor type's dims: an int, a symbol or None (unknown) each; None without a shape."""
-    tensor_type = type_proto.tensor_type
-    if not tensor_type.HasField("shape"):
-        return None
-    dims: list[int | str | None] = []
-    for dim in tensor_type.shape.dim:
-        if dim.HasField("dim_value"):
-            dims.append(dim.dim_value)
-        elif dim.HasField("dim_param"):
-            dims.append(dim.dim_param)
-        else:
-            dims.append(None)
-    return dims
 
 
 _GRAPH_ATTRIBUTE_TYPES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)

@@ -1,11 +1,11 @@
 """The words graphopt shares with ONNX and ONNX Runtime, each spelled once.
 
-Domains, the training graph's YieldOp and backward-pass annotation, the float element types
-and attribute defaults (read from the ONNX schemas, not written again where an attribute is
-read). This is the lowest layer: it imports only onnx, and every other layer (rules,
-graphopt.training, the executor, the trainer) takes these names from here.
-tests/test_vocabulary.py fails when one of the literals is spelled, one of these names defined,
-or an attribute default written by hand anywhere else.
+Domains, the training graph's YieldOp and backward-pass annotation, the float element types,
+attribute defaults (read from the ONNX schemas, not written again where an attribute is
+read) and a tensor type's dims. This is the lowest layer: it imports only onnx, and every
+other layer (rules, graphopt.training, the executor, the trainer) takes these names from
+here. tests/architecture/test_vocabulary.py fails when one of the literals is spelled, one
+of these names defined, or an attribute default written by hand anywhere else.
 """
 from __future__ import annotations
 
@@ -102,3 +102,19 @@ def _standard_default(op_type: str, name: str, opset: int | None):
         raise KeyError(f"{op_type}.{name} has no default (opset {opset or 'latest'})")
     value = onnx.helper.get_attribute_value(default)
     return tuple(value) if isinstance(value, list) else value  # cached: kept immutable
+
+
+def type_dims(type_proto: onnx.TypeProto) -> list[int | str | None] | None:
+    """A tensor type's dims: an int, a symbol or None (unknown) each; None without a shape."""
+    tensor_type = type_proto.tensor_type
+    if not tensor_type.HasField("shape"):
+        return None
+    dims: list[int | str | None] = []
+    for dim in tensor_type.shape.dim:
+        if dim.HasField("dim_value"):
+            dims.append(dim.dim_value)
+        elif dim.HasField("dim_param"):
+            dims.append(dim.dim_param)
+        else:
+            dims.append(None)
+    return dims

@@ -45,10 +45,12 @@ print(f'{name}; {n} device(s); CuPy {cupy.__version__}; hip={cupy.cuda.runtime.i
 if [ "${rc[device]}" = 0 ]; then
   # -P: the repository root must not be on sys.path (its graphopt/ is only part of the package)
   step pytest_gpu 240 "$py" -P -m pytest -q -p no:cacheprovider --junitxml="$out/pytest_gpu.xml" \
-      tests/numerics/test_gpu.py tests/executor/test_gpu.py tests/executor/test_cupy_api.py \
-      tests/numerics/test_gemm_plan.py tests/train/test_fused_adamw.py tests/train/test_device_resident.py \
-      tests/executor/test_device_transfers.py tests/numerics/test_weight_conversion_cache.py \
-      "tests/distributed/test_distributed.py::test_nccl_transport_single_rank_allreduce"
+      tests/executor/numerics/test_gpu.py tests/executor/test_gpu.py \
+      tests/executor/test_cupy_api.py tests/executor/numerics/test_gemm_plan.py \
+      tests/trainer/test_fused_adamw.py tests/trainer/test_device_resident.py \
+      tests/executor/test_device_transfers.py \
+      tests/executor/numerics/test_weight_conversion_cache.py \
+      "tests/trainer/distributed/test_distributed.py::test_nccl_transport_single_rank_allreduce"
   # device->host copies per data-parallel step on the device (CUPTI via torch.profiler)
   step gpu_transfers 120 "$py" scripts/gpu_transfers.py
   step bench_fp16_gemm 60 "$py" bench/bench_fp16_gemm.py

@@ -16,17 +16,19 @@ OPT = "trainer/optimizers.py"
 SCALE = "trainer/loss_scaling.py"
 CKPT = "trainer/checkpoint.py"
 
-T_PARSE = ("tests/numerics/test_c_parsing.py",)
-T_POLICY = ("tests/numerics/test_policy_table.py", "tests/numerics/test_rocblas_env.py")
-T_ENVPOL = ("tests/numerics/test_policy_promises.py", "tests/numerics/test_env_warnings.py")
+T_PARSE = ("tests/executor/numerics/test_c_parsing.py",)
+T_POLICY = ("tests/executor/numerics/test_policy_table.py",
+            "tests/executor/numerics/test_rocblas_env.py")
+T_ENVPOL = ("tests/executor/numerics/test_policy_promises.py",
+            "tests/executor/numerics/test_env_warnings.py")
 T_MARK = ("tests/rules/test_mark_backward_pass.py",)
 T_ENGINE = ("tests/engine/test_engine_promises.py", "tests/engine/test_engine.py")
 T_SPLIT = ("tests/rules/test_gather_slice_to_split.py",)
 T_SCALE_MM = ("tests/rules/test_matmul_scale_to_fused_matmul.py",)
 T_GRAD = ("tests/training/test_op_gradients.py",)
-T_OPT = ("tests/train/test_units.py", "tests/train/test_pytorch_truth.py")
-T_SCALE = ("tests/train/test_units.py", "tests/train/test_loss_scale_unscale.py")
-T_CKPT = ("tests/train/test_checkpoint_promises.py", "tests/train/test_resume.py")
+T_OPT = ("tests/trainer/test_units.py", "tests/trainer/test_pytorch_truth.py")
+T_SCALE = ("tests/trainer/test_units.py", "tests/trainer/test_loss_scale_unscale.py")
+T_CKPT = ("tests/trainer/test_checkpoint_promises.py", "tests/trainer/test_resume.py")
 T_CLI = ("tests/cli/test_exit_codes.py",)
 
 MUTANTS = [
@@ -35,7 +37,7 @@ MUTANTS = [
       "            base = 8\n", "            base = 10\n", *T_PARSE),
     m("atoi_negative_clamp_one_short", "numerics", PARSE,
       "-min(magnitude, _LONG_MAX + 1)", "-min(magnitude, _LONG_MAX)", *T_PARSE,
-      "tests/numerics/test_env_warnings.py"),
+      "tests/executor/numerics/test_env_warnings.py"),
     m("miopen_conv_fwd_any_nonzero", "numerics", POLICY,
       '"fwd": ALTERNATE if value == 1 else ORIGINAL',
       '"fwd": ALTERNATE if value != 0 else ORIGINAL', *T_ENVPOL),

@@ -19,22 +19,26 @@ MATH = "graphopt/training/gradients/math.py"
 ACT = "graphopt/training/gradients/activations.py"
 MODELIO = "graphopt/modelio.py"
 
-T_SCHED = ("tests/train/test_schedule_eval_plot.py", "tests/train/test_units.py",
-           "tests/train/test_pytorch_truth.py")
-T_OPT = ("tests/train/test_pytorch_truth.py", "tests/train/test_units.py")
-T_SCALE = ("tests/train/test_units.py", "tests/train/test_loss_scale_unscale.py",
-           "tests/train/test_pytorch_truth.py")
+T_SCHED = ("tests/trainer/test_schedule_eval_plot.py", "tests/trainer/test_units.py",
+           "tests/trainer/test_pytorch_truth.py")
+T_OPT = ("tests/trainer/test_pytorch_truth.py", "tests/trainer/test_units.py")
+T_SCALE = ("tests/trainer/test_units.py", "tests/trainer/test_loss_scale_unscale.py",
+           "tests/trainer/test_pytorch_truth.py")
 # (test_reliability_training_state.py::test_item14_unsupported_ops_in_run_are_one_line fails
 # on main as it stands, so only the checkpoint-validation test of that file is named)
-T_CKPT = ("tests/train/test_checkpoint_promises.py", "tests/train/test_resume.py",
+T_CKPT = ("tests/trainer/test_checkpoint_promises.py", "tests/trainer/test_resume.py",
           "tests/robustness/test_reliability_training_state.py::"
           "test_item16_every_checkpoint_field_is_validated")
-T_BITS = ("tests/numerics/test_bf16_conversion.py", "tests/numerics/test_denormal_stats.py",
-          "tests/numerics/test_gemm_paths.py")
-T_POLICY = ("tests/numerics/test_policy_promises.py", "tests/numerics/test_policy_table.py",
-            "tests/numerics/test_env_warnings.py")
-T_PARSE = ("tests/numerics/test_c_parsing.py", "tests/numerics/test_policy_promises.py")
-T_GUARD = ("tests/numerics/test_guard.py", "tests/numerics/test_session_integration.py")
+T_BITS = ("tests/executor/numerics/test_bf16_conversion.py",
+          "tests/executor/numerics/test_denormal_stats.py",
+          "tests/executor/numerics/test_gemm_paths.py")
+T_POLICY = ("tests/executor/numerics/test_policy_promises.py",
+            "tests/executor/numerics/test_policy_table.py",
+            "tests/executor/numerics/test_env_warnings.py")
+T_PARSE = ("tests/executor/numerics/test_c_parsing.py",
+           "tests/executor/numerics/test_policy_promises.py")
+T_GUARD = ("tests/executor/numerics/test_guard.py",
+           "tests/executor/numerics/test_session_integration.py")
 T_ENGINE = ("tests/engine/test_engine_promises.py", "tests/engine/test_engine.py",
             "tests/ir/test_rollback.py")
 # test_every_differentiated_op_has_a_pytorch_case fails on this branch as it stands

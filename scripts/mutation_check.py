@@ -56,14 +56,17 @@ def m(id, area, path, old, new, *tests, more=()):
 
 
 # test files, by what they cover
-T_OPT = ("tests/train/test_pytorch_truth.py", "tests/train/test_units.py")
-T_SCALE = ("tests/train/test_pytorch_truth.py", "tests/train/test_units.py",
-           "tests/train/test_loss_scale_unscale.py")
-T_POLICY = ("tests/numerics/test_policy_promises.py", "tests/numerics/test_policy_table.py",
-            "tests/numerics/test_env_warnings.py")
-T_PARSE = ("tests/numerics/test_c_parsing.py", "tests/numerics/test_policy_promises.py")
-T_GUARD = ("tests/numerics/test_guard.py", "tests/numerics/test_session_integration.py",
-           "tests/numerics/test_policy_promises.py")
+T_OPT = ("tests/trainer/test_pytorch_truth.py", "tests/trainer/test_units.py")
+T_SCALE = ("tests/trainer/test_pytorch_truth.py", "tests/trainer/test_units.py",
+           "tests/trainer/test_loss_scale_unscale.py")
+T_POLICY = ("tests/executor/numerics/test_policy_promises.py",
+            "tests/executor/numerics/test_policy_table.py",
+            "tests/executor/numerics/test_env_warnings.py")
+T_PARSE = ("tests/executor/numerics/test_c_parsing.py",
+           "tests/executor/numerics/test_policy_promises.py")
+T_GUARD = ("tests/executor/numerics/test_guard.py",
+           "tests/executor/numerics/test_session_integration.py",
+           "tests/executor/numerics/test_policy_promises.py")
 T_MARK = ("tests/rules/test_mark_backward_pass.py",)
 T_STICKY = ("tests/engine/test_engine_promises.py", "tests/engine/test_engine.py")
 T_SPLIT = ("tests/rules/test_gather_slice_to_split.py",)
@@ -76,7 +79,7 @@ T_TG = ("tests/rules/test_transpose_gather_to_gather_transpose.py",)
 T_ENGINE = ("tests/engine/test_engine_promises.py", "tests/engine/test_engine.py",
             "tests/ir/test_rollback.py", "tests/ir/test_pending_nodes.py")
 T_GRAD = ("tests/training/test_pytorch_op_gradients.py", "tests/training/test_op_gradients.py")
-T_CKPT = ("tests/train/test_checkpoint_promises.py", "tests/train/test_resume.py",
+T_CKPT = ("tests/trainer/test_checkpoint_promises.py", "tests/trainer/test_resume.py",
           "tests/robustness/test_run_faults.py::test_load_refuses_truncated_and_damaged_"
           "checkpoints",
           "tests/robustness/test_run_faults.py::test_disk_full_during_a_checkpoint_save_keeps_"

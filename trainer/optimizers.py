@@ -19,11 +19,10 @@ import numpy as np
 
 from graphopt.errors import GraphoptError
 
-OPTIMIZERS = ("sgd", "momentum", "adamw")
-
 
 class Optimizer:
-    name = ""
+    name = ""   # what --optimizer calls it (see OPTIMIZERS)
+    default_weight_decay = 0.0   # without --weight-decay
     slot_names: tuple[str, ...] = ()   # the arrays it keeps per weight (after its first step)
 
     def __init__(self, lr: float, weight_decay: float = 0.0):
@@ -149,6 +148,7 @@ class AdamW(Optimizer):
     in torch's order of operations (denominator sqrt(v) / sqrt(bc2) + eps)."""
     name = "adamw"
     slot_names = ("exp_avg", "exp_avg_sq")
+    default_weight_decay = 0.01   # torch.optim.AdamW's
 
     def __init__(self, lr, weight_decay=0.01, betas=(0.9, 0.999), eps: float = 1e-8):
         super().__init__(lr, weight_decay)
@@ -207,6 +207,10 @@ class AdamW(Optimizer):
         param -= np.float32(self.lr / bias1) * (m / denom)
 
 
+# --optimizer NAME -> the class; a new optimizer is one more subclass named here
+OPTIMIZERS = {cls.name: cls for cls in (SGD, Momentum, AdamW)}
+
+
 def array_module(array):
     """numpy for host arrays, else the array's own module (``cupy`` for a CuPy array)."""
     if isinstance(array, np.ndarray) or np.isscalar(array):
@@ -252,7 +256,5 @@ def _adamw_kernel(xp):
 def make_optimizer(name: str, lr: float, weight_decay: float | None = None) -> Optimizer:
     if name not in OPTIMIZERS:
         raise GraphoptError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
-    if name == "adamw":
-        return AdamW(lr, 0.01 if weight_decay is None else weight_decay)
-    cls = SGD if name == "sgd" else Momentum
-    return cls(lr, 0.0 if weight_decay is None else weight_decay)
+    cls = OPTIMIZERS[name]
+    return cls(lr, cls.default_weight_decay if weight_decay is None else weight_decay)

@@ -431,3 +431,11 @@ def test_importing_the_package_is_cheap_so_the_console_script_can_guard_the_rest
     proc = subprocess.run([sys.executable, "-P", "-c", code], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120)
     assert proc.stdout.strip() == "[]", proc.stderr
+
+
+def test_optimizer_choices_are_the_trainers_optimizers():
+    # cli.py spells the choices (importing the trainer would slow every command's start)
+    from graphopt.trainer.optimizers import OPTIMIZERS
+
+    option = next(p for p in main.commands["run"].params if p.name == "optimizer")
+    assert list(option.type.choices) == list(OPTIMIZERS)

@@ -20,6 +20,7 @@ import onnx
 import pytest
 from conftest import fixture_path
 from onnx.backend.test.runner import Runner
+from support.cupy_api import RecordingXp, cupy_incompatibilities
 
 from graphopt.executor import Session
 from graphopt.executor.backend import ArrayBackend
@@ -31,7 +32,6 @@ from graphopt.executor.registry import supported_op_types
 from graphopt.trainer import RunOptions, run
 from graphopt.training import build_training_graph
 
-from .cupy_api import RecordingXp, cupy_incompatibilities
 from .test_onnx_backend import EXCLUDED
 
 TRAINING_FIXTURES = ["mlp", "cnn", "mqa_block", "mqa_dynamo"]
@@ -126,7 +126,7 @@ def gpu_path_run(tmp_path_factory):
         except Exception as exc:  # noqa: BLE001
             failures.append(f"training loop {optimizer}: {type(exc).__name__}: {exc}")
     # the array calls of the GPU GEMM's operand handling (its BLAS calls are checked in
-    # tests/numerics/test_gemm_plan.py)
+    # tests/executor/numerics/test_gemm_plan.py)
     rng = np.random.default_rng(0)
     for shape_a, shape_b in [((2, 4, 5, 3), (2, 1, 3, 6)), ((4, 5, 3), (6, 3)), ((3,), (3, 2))]:
         a = rng.standard_normal(shape_a).astype(np.float16)

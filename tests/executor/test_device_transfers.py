@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 import pytest
 from conftest import fixture_path
+from support.cupy_api import DeviceArray, RecordingXp, cupy_incompatibilities
 
 from graphopt.executor import Session
 from graphopt.executor.backend import ArrayBackend
@@ -31,8 +32,6 @@ from graphopt.trainer.loop import LoopSettings, Trainer
 from graphopt.trainer.loss_scaling import parse_loss_scale
 from graphopt.trainer.optimizers import make_optimizer
 from graphopt.trainer.training_graph import build
-
-from .cupy_api import DeviceArray, RecordingXp, cupy_incompatibilities
 
 STEPS = 3
 

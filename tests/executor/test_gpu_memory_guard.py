@@ -9,12 +9,11 @@ import types
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from support.cupy_api import RecordingXp
 
 from graphopt.executor import Session
 from graphopt.executor.backend import ArrayBackend
 from graphopt.executor.memory import ENV, MemoryLimitError
-
-from .cupy_api import RecordingXp
 
 FREE, POOLED = 3 << 20, 1 << 20
 

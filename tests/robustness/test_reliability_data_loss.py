@@ -48,12 +48,12 @@ def snapshot(folder) -> dict[str, bytes]:
 
 
 def mlp_external(folder) -> str:
-    from train.helpers import MLP
+    from support.training_runs import MLP
     return save_external(onnx.load(MLP), folder, "mlp.onnx", "mlp.bin")
 
 
 def mlp_npz(folder) -> str:
-    from train.helpers import mlp_data, write_npz
+    from support.training_runs import mlp_data, write_npz
     return str(write_npz(os.path.join(folder, "d.npz"), mlp_data()))
 
 

@@ -5,16 +5,11 @@ fused projection is split by one Split, there are at least as many FusedMatMuls 
 onnxruntime makes, and training them matches PyTorch's SGD run."""
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
+from support import hf_families
 
 import graphopt
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures"))
-import hf_families  # noqa: E402
 
 pytest.importorskip("onnxruntime")
 NAMES = hf_families.fixture_names()

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import numpy_helper
-from train.helpers import mlp_data, write_npz  # tests/train/helpers.py (tests/ is on sys.path)
+from support.training_runs import MLP, mlp_data, write_npz
 
 from graphopt.errors import GraphoptError
 from graphopt.trainer import RunOptions, run
@@ -25,7 +25,7 @@ from graphopt.trainer.distributed import ShardedBatches, plan_buckets
 
 HERE = os.path.dirname(__file__)
 WORKER = os.path.join(HERE, "worker.py")
-MLP = os.path.join(HERE, os.pardir, "fixtures", "mlp.onnx")  # Gemm(64->32) Relu Gemm(32->10)
+
 
 
 def _mpiexec() -> str | None:

@@ -8,12 +8,11 @@ import signal
 
 import numpy as np
 import pytest
+from support.training_runs import MLP, mlp_data, write_npz
 
 from graphopt.errors import GraphoptError
 from graphopt.trainer import RunOptions, run
 from graphopt.trainer import checkpoint as ckpt
-
-from .helpers import MLP, mlp_data, write_npz
 
 
 def options(tmp_path, **overrides) -> RunOptions:

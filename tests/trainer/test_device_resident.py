@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from executor.cupy_api import RecordingXp  # tests/executor/cupy_api.py (tests/ is on sys.path)
+from support.cupy_api import RecordingXp
+from support.training_runs import MLP, mlp_data, write_npz
 
 from graphopt.executor.backend import ArrayBackend
 from graphopt.trainer import RunOptions, run
 from graphopt.trainer.loop import Trainer
-
-from .helpers import MLP, mlp_data, write_npz
 
 
 def options(tmp_path, **overrides) -> RunOptions:

@@ -12,13 +12,12 @@ import onnx
 import pytest
 from click.testing import CliRunner
 from onnx import numpy_helper
+from support.training_runs import MLP, mlp_data, write_npz
 
 from graphopt.cli import main
 from graphopt.trainer import RunOptions, run
 from graphopt.trainer.export import smoothed
 from graphopt.trainer.schedule import lr_factor
-
-from .helpers import MLP, mlp_data, write_npz
 
 
 def invoke(*args):
@@ -164,7 +163,7 @@ def test_schedule_clipping_and_eval_on_device_resident_weights_equal_the_host_ru
     """The GPU branch of the loop (weights and gradients on the device; here a stand-in
     device whose arrays are NumPy's) applies the schedule, the clipping and the evaluation
     exactly as the host does."""
-    from executor.cupy_api import RecordingXp
+    from support.cupy_api import RecordingXp
 
     from graphopt.executor.backend import ArrayBackend
 

@@ -8,10 +8,9 @@ import numpy as np
 import onnx
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
+from support.training_runs import write_npz
 
 from graphopt.cli import main
-
-from .helpers import write_npz
 
 VOCAB, HIDDEN, SEQ, SAMPLES = 11, 6, 5, 8
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from support.training_runs import MLP, mlp_data, write_npz
 
 from graphopt.trainer import RunOptions, run
-
-from .helpers import MLP, mlp_data, write_npz
 
 
 def train(tmp_path, precision, **options):

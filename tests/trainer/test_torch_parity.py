@@ -6,11 +6,10 @@ import numpy as np
 import onnx
 import pytest
 from onnx import numpy_helper
+from support.training_runs import MLP, mlp_data, write_npz
 
 from graphopt.trainer import RunOptions, run
 from graphopt.trainer.data import Batches
-
-from .helpers import MLP, mlp_data, write_npz
 
 torch = pytest.importorskip("torch")
 STEPS, BATCH, SEED = 25, 4, 3

@@ -7,11 +7,10 @@ import numpy as np
 import onnx
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
+from support.training_runs import MLP, mlp_data, write_npz
 
 from graphopt.cli import main
 from graphopt.training.float16 import to_float16
-
-from .helpers import MLP, mlp_data, write_npz
 
 
 def invoke(*args):

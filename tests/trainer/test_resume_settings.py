@@ -8,10 +8,9 @@ import numpy as np
 import onnx
 from click.testing import CliRunner
 from onnx import numpy_helper
+from support.training_runs import MLP, mlp_data, write_npz
 
 from graphopt.cli import main
-
-from .helpers import MLP, mlp_data, write_npz
 
 
 def invoke(*args):

@@ -9,8 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-
-from .helpers import MLP, mlp_data, write_npz
+from support.training_runs import MLP, mlp_data, write_npz
 
 GRAPHOPT = [sys.executable, "-P", "-m", "graphopt.cli"]
 

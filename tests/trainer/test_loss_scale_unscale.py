@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.training_runs import MLP, mlp_data, write_npz
 
 from graphopt.trainer import RunOptions, run
 from graphopt.trainer.loss_scaling import DynamicLossScaler
-
-from .helpers import MLP, mlp_data, write_npz
 
 
 @pytest.mark.parametrize("loss_scale", ["static:1024", "dynamic:256:2"])

@@ -8,11 +8,10 @@ import onnx
 import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
+from support.training_runs import write_npz
 
 from graphopt.cli import main
 from graphopt.trainer import RunOptions, run
-
-from .helpers import write_npz
 
 
 def taken_grad_name_model(path, bias: bool = True) -> str:

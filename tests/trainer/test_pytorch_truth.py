@@ -1,7 +1,7 @@
 """graphopt against PyTorch, without PyTorch: the committed results of
 tests/fixtures/make_torch_truth.py (optimizer trajectories, whole training runs of the MLP
 fixture, dynamic loss scaling with overflows) are what graphopt must reproduce.
-(tests/train/test_torch_parity.py runs torch itself, for those who have it.)"""
+(tests/trainer/test_torch_parity.py runs torch itself, for those who have it.)"""
 from __future__ import annotations
 
 import json
@@ -11,12 +11,11 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from support.training_runs import FIXTURES, MLP, write_npz
 
 from graphopt.trainer import RunOptions, run
 from graphopt.trainer.data import Batches
 from graphopt.trainer.optimizers import make_optimizer
-
-from .helpers import FIXTURES, MLP, write_npz
 
 
 def _load(name: str):

@@ -5,12 +5,11 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from support.training_runs import MLP, mlp_data, write_npz
 
 from graphopt.errors import GraphoptError
 from graphopt.executor import Session
 from graphopt.trainer import RunOptions, run
-
-from .helpers import MLP, mlp_data, write_npz
 
 ort = pytest.importorskip("onnxruntime")
 

@@ -8,10 +8,9 @@ import subprocess
 import sys
 
 import pytest
+from support.training_runs import MLP, mlp_data, write_npz
 
 from graphopt.trainer.runner import launched_ranks
-
-from .helpers import MLP, mlp_data, write_npz
 
 RUN = [sys.executable, "-P", "-m", "graphopt.cli", "run"]
 

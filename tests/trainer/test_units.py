@@ -5,14 +5,13 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from support.training_runs import MLP
 
 from graphopt.errors import GraphoptError
 from graphopt.trainer.data import Batches
 from graphopt.trainer.loss_scaling import DynamicLossScaler, parse_loss_scale
 from graphopt.trainer.optimizers import make_optimizer
 from graphopt.training.float16 import to_float16
-
-from .helpers import MLP
 
 
 def test_dynamic_scaler_grows_backs_off_and_counts_skips():

@@ -10,7 +10,7 @@ import pytest
 
 from graphopt import vocabulary
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEFINING_MODULE = ROOT / "graphopt" / "vocabulary.py"
 VOCABULARY = {vocabulary.MS_DOMAIN, vocabulary.STANDARD_DOMAIN_ALIAS, vocabulary.YIELD_OP,
               vocabulary.BACKWARD_PASS_ATTRIBUTE}

@@ -4,7 +4,7 @@
 transposed views, leading dimensions, batch strides (0 for broadcast operands), folding of
 N-D @ 2-D, loops over batch dimensions that cannot be merged. Here each call is executed by
 a literal NumPy reading of the BLAS contract on the raw buffers, so a wrong flag, ld,
-stride or offset gives a wrong product; the FP16 kernels of the device (tests/numerics/
+stride or offset gives a wrong product; the FP16 kernels of the device (tests/executor/numerics/
 test_gpu.py) then only add the arithmetic. Also: the integer FP16->BF16 kernel body, compiled
 as C, against the host conversion for all 65,536 patterns.
 """
