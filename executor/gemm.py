@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import blas_threads as _blas_threads
+
 GEMM_OPS = ("gemm", "conv_fwd", "conv_bwd_data", "conv_bwd_weights")
 
 
@@ -36,7 +38,8 @@ def plain_matmul(xp, a, b):
     threads and blocks far better on one (H*M, K) x (K, N) product than on H small ones."""
     if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous:
         # One large GEMM instead of one per leading index.
-        return xp.matmul(a.reshape(-1, a.shape[-1]), b).reshape(a.shape[:-1] + (b.shape[1],))
+        return _blas_threads.matmul(xp, a.reshape(-1, a.shape[-1]), b).reshape(
+            a.shape[:-1] + (b.shape[1],))
     if (a.ndim >= 3 and b.ndim == a.ndim and b.shape[-3] == 1 and a.shape[-3] > 1
             and b.shape[:-3] == a.shape[:-3]):
         # b shared across axis -3 (multi-query attention: one K/V head for every query
@@ -46,7 +49,7 @@ def plain_matmul(xp, a, b):
         b3 = b.reshape(b.shape[:-3] + b.shape[-2:])
         folded = _merged(a, a.ndim - 3)  # (..., H*M, K) in place
         if folded is not None:
-            return xp.matmul(folded, b3).reshape(a.shape[:-1] + (n,))
+            return _blas_threads.matmul(xp, folded, b3).reshape(a.shape[:-1] + (n,))
         # (..., M, H, K): a row-major view or one copy; the result is then laid out
         # (..., M, H, N) and returned as the (..., H, M, N) view of it, which is the layout
         # a following transpose back to (..., M, H, N) wants
@@ -55,6 +58,6 @@ def plain_matmul(xp, a, b):
         if folded is None:
             folded = xp.ascontiguousarray(swapped).reshape(
                 a.shape[:-3] + (rows * heads, a.shape[-1]))
-        out = xp.matmul(folded, b3).reshape(a.shape[:-3] + (rows, heads, n))
+        out = _blas_threads.matmul(xp, folded, b3).reshape(a.shape[:-3] + (rows, heads, n))
         return out.swapaxes(-3, -2)
-    return xp.matmul(a, b)
+    return _blas_threads.matmul(xp, a, b)
