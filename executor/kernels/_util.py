@@ -30,7 +30,9 @@ _ERFC_COEFFS = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.
                  -1.13520398, 1.48851587, -0.82215223, 0.17087277)
 
 
-_ERF_CHUNK = 8192  # elements per block: the three float64 scratch buffers stay in L2
+# elements per block: the three float64 scratch buffers (384 KiB) still fit a 512 KiB L2, in
+# half the calls of 8192-element blocks (10-20% less time at 128K and 1M elements, issue 15)
+_ERF_CHUNK = 1 << 14
 
 
 def _erf_numpy(x):
@@ -63,9 +65,9 @@ def _erf_range(flat, out, begin, end):
 def _erf_block(x, z, t, poly):
     """erf(x) into ``poly`` (float64); ``z`` and ``t`` are scratch of x's size."""
     np.abs(x, out=z)
-    np.multiply(z, 0.5, out=t)
-    t += 1.0
-    np.reciprocal(t, out=t)
+    # 1 / (1 + z/2) as 2 / (z + 2): scaling by 2 is exact, so both round alike (one pass less)
+    np.add(z, 2.0, out=t)
+    np.divide(2.0, t, out=t)
     np.multiply(t, _ERFC_COEFFS[-1], out=poly)
     for coeff in _ERFC_COEFFS[-2:0:-1]:
         poly += coeff
