@@ -9,9 +9,11 @@ a split costs more than it saves; NumPy-only (CuPy kernels are already parallel)
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 THRESHOLD = 1 << 18  # elements
+PIECES_PER_PART = 4
 _WORKERS = max(1, min(os.cpu_count() or 1, 8))
 _pool: ThreadPoolExecutor | None = None
 
@@ -28,18 +30,43 @@ def parts_for(size: int, rows: int) -> int:
 
 
 def run_split(fn, rows: int, parts: int) -> None:
-    """``fn(start, stop)`` over ``parts`` contiguous row ranges covering ``range(rows)``, one
-    of them on the calling thread; exceptions propagate."""
+    """``fn(start, stop)`` over contiguous row ranges covering ``range(rows)`` once each, on
+    the calling thread and up to ``parts - 1`` pool threads; exceptions propagate.
+
+    The rows are cut into PIECES_PER_PART pieces per part that the threads take in turn,
+    and the caller never waits for a pool thread that has not started: on a machine whose
+    other cores are busy the caller does every piece itself (as fast as no split) instead
+    of waiting for a thread the scheduler has not run (issue 15). Each row is processed by
+    one call of ``fn`` whatever the cut, so results do not depend on it."""
     if parts <= 1:
         fn(0, rows)
         return
     global _pool
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=_WORKERS - 1, thread_name_prefix="graphopt")
-    bounds = [rows * i // parts for i in range(parts + 1)]
-    futures = [_pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, parts)]
+    pieces = min(rows, parts * PIECES_PER_PART)
+    bounds = [rows * i // pieces for i in range(pieces + 1)]
+    taken = [0]
+    failed = []
+    lock = threading.Lock()
+
+    def work() -> None:
+        while not failed:
+            with lock:
+                i = taken[0]
+                taken[0] = i + 1
+            if i >= pieces:
+                return
+            try:
+                fn(bounds[i], bounds[i + 1])
+            except BaseException:
+                failed.append(True)  # the others stop taking pieces
+                raise
+
+    futures = [_pool.submit(work) for _ in range(parts - 1)]
     try:
-        fn(bounds[0], bounds[1])
+        work()
     finally:
         for future in futures:
-            future.result()
+            if not future.cancel():  # started: it finishes the one piece it holds
+                future.result()

@@ -48,3 +48,40 @@ def test_binary_blocks_equal_one_pass_with_broadcasting(b_shape):
     for ufunc in (np.add, np.subtract, np.multiply, np.true_divide):
         np.testing.assert_array_equal(_binary(ctx, ufunc, a, b), ufunc(a, b))
         np.testing.assert_array_equal(_binary(ctx, ufunc, b, a), ufunc(b, a))
+
+
+def test_split_covers_every_row_once_in_pieces():
+    seen = []
+    _threads.run_split(lambda i, j: seen.extend(range(i, j)), 37, 2)
+    assert sorted(seen) == list(range(37))
+
+
+def test_split_does_not_wait_for_a_busy_pool_thread():
+    """The pool thread is held by other work: the caller does every piece itself and
+    returns, instead of waiting for the thread to come free."""
+    import threading
+
+    _threads.run_split(lambda i, j: None, 4, 2)  # the pool exists
+    release = threading.Event()
+    blockers = [_threads._pool.submit(release.wait) for _ in range(_threads.workers() - 1)]
+    seen, done = [], threading.Event()
+    caller = threading.Thread(target=lambda: (_threads.run_split(
+        lambda i, j: seen.extend(range(i, j)), 64, 2), done.set()))
+    caller.start()
+    try:
+        assert done.wait(10), "run_split waited for a busy pool thread"
+        assert sorted(seen) == list(range(64))
+    finally:
+        release.set()
+        caller.join()
+        for blocker in blockers:
+            blocker.result()
+
+
+def test_split_propagates_an_exception():
+    def fail_at_row_5(i, j):
+        if i <= 5 < j:
+            raise ValueError("row 5")
+
+    with pytest.raises(ValueError, match="row 5"):
+        _threads.run_split(fail_at_row_5, 40, 2)
