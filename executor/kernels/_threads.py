@@ -49,16 +49,21 @@ def run_split(fn, rows: int, parts: int) -> None:
     taken = [0]
     failed = []
     lock = threading.Lock()
+    # a cancelled task stays in the pool's queue until a thread pops it: it must not hold
+    # ``fn`` (and the arrays fn refers to) after this returns, or they outlive their last
+    # use (memory, and the donation check would see one reference too many)
+    job = [fn]
 
     def work() -> None:
         while not failed:
             with lock:
                 i = taken[0]
                 taken[0] = i + 1
-            if i >= pieces:
+                piece = job[0]
+            if i >= pieces or piece is None:
                 return
             try:
-                fn(bounds[i], bounds[i + 1])
+                piece(bounds[i], bounds[i + 1])
             except BaseException:
                 failed.append(True)  # the others stop taking pieces
                 raise
@@ -70,3 +75,4 @@ def run_split(fn, rows: int, parts: int) -> None:
         for future in futures:
             if not future.cancel():  # started: it finishes the one piece it holds
                 future.result()
+        job[0] = None

@@ -85,3 +85,24 @@ def test_split_propagates_an_exception():
 
     with pytest.raises(ValueError, match="row 5"):
         _threads.run_split(fail_at_row_5, 40, 2)
+
+
+def test_split_holds_nothing_once_it_returns():
+    """A task the busy pool thread never started stays queued: it must not keep the
+    kernel's arrays alive past their last use (memory, and the donation check)."""
+    import threading
+    import weakref
+
+    _threads.run_split(lambda i, j: None, 4, 2)
+    release = threading.Event()
+    blockers = [_threads._pool.submit(release.wait) for _ in range(_threads.workers() - 1)]
+    try:
+        array = np.ones(1000)
+        watch = weakref.ref(array)
+        _threads.run_split(lambda i, j, a=array: a[i:j].sum(), 64, 2)
+        del array
+        assert watch() is None, "a queued task still references the kernel's arrays"
+    finally:
+        release.set()
+        for blocker in blockers:
+            blocker.result()
