@@ -467,7 +467,89 @@ class Graph:
         return list(self.by_type.get((domain, op_type), ()))
 
     def consumers_of(self, tensor: str) -> list[int]:
+        """The nodes reading ``tensor`` (an input, or by name from a subgraph), a copy."""
         return list(self.consumers.get(tensor, ()))
+
+    def consumer_count(self, tensor: str) -> int:
+        return len(self.consumers.get(tensor, ()))
+
+    def has_node(self, node_id: int) -> bool:
+        return node_id in self.nodes
+
+    def op_key(self, node_id: int) -> tuple[str, str] | None:
+        """The node's (normalized domain, op_type); None for a removed node."""
+        return self.op_keys.get(node_id)
+
+    def inputs_of(self, node_id: int) -> tuple[str, ...]:
+        """The node's input names ("" for an absent optional input), as indexed."""
+        return self.node_inputs[node_id]
+
+    def outputs_of(self, node_id: int) -> tuple[str, ...]:
+        return self.node_outputs[node_id]
+
+    def producer_of(self, tensor: str) -> int | None:
+        """The node producing ``tensor``; None for a graph input, an initializer, a name
+        from the outer scope or no tensor at all."""
+        return self.producer.get(tensor)
+
+    def is_used(self, tensor: str) -> bool:
+        """Whether a node (or a subgraph) reads ``tensor`` or it is a graph output."""
+        return tensor in self.protected or bool(self.consumers.get(tensor))
+
+    def order_of(self, node_id: int) -> tuple:
+        """The node's sort key: nodes are written out in this order."""
+        return self.order[node_id]
+
+    def implicit_inputs(self, node_id: int) -> list[str]:
+        """The outer-scope tensors the node's subgraphs read by name (If/Loop bodies)."""
+        return list(self._implicit.get(node_id, ()))
+
+    def read_by_subgraph(self, tensor: str) -> bool:
+        """Whether a subgraph (an If/Loop body) reads ``tensor`` by name from this scope:
+        rewiring node inputs cannot reach such a use, so the name must stay."""
+        implicit = self._implicit
+        return bool(implicit) and any(tensor in implicit.get(user, ())
+                                      for user in self.consumers.get(tensor, ()))
+
+    def owns_subgraphs(self, node_id: int) -> bool:
+        return node_id in self.subgraph_owners
+
+    def subgraph_owner_ids(self) -> list[int]:
+        """The nodes with graph attributes (If, Loop, ...), in graph order."""
+        return sorted(self.subgraph_owners, key=self.order.__getitem__)
+
+    def is_initializer(self, tensor: str) -> bool:
+        return tensor in self.initializers
+
+    def initializer(self, tensor: str) -> onnx.TensorProto | None:
+        return self.initializers.get(tensor)
+
+    def node_count(self) -> int:
+        return len(self.nodes)
+
+    def name_of(self, node_id: int) -> str:
+        """The node's name ("" if unnamed), read without building a pending node."""
+        return self.nodes[node_id].name
+
+    def carried_attributes(self, node_id: int, names) -> list[onnx.AttributeProto]:
+        """The node's attributes named in ``names`` (annotations such as __backwardpass
+        that a replacement carries on). A pending node has none: it holds only what the
+        rewrite that made it gave it."""
+        node = self.nodes[node_id]
+        if type(node) is PendingNode:
+            return []
+        attributes = node.attribute
+        if not attributes:  # the common case, without building a list
+            return []
+        return [attr for attr in attributes if attr.name in names]
+
+    def is_defined(self, tensor: str) -> bool:
+        """Produced by a node, or an initializer or graph input of this scope."""
+        return tensor in self.producer or tensor in self.initializers or tensor in self.input_set
+
+    def type_of(self, tensor: str) -> onnx.TypeProto | None:
+        """The tensor's type as known (declared inputs, inference, rewrites), or None."""
+        return self.types.get(tensor)
 
     def sorted_ids(self) -> list[int]:
         return sorted(self.nodes, key=self.order.__getitem__)
