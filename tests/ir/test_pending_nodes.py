@@ -12,7 +12,7 @@ from graphopt.api import select_rules
 from graphopt.dsl import Rule, op, var
 from graphopt.engine import Engine
 from graphopt.ir import PendingNode
-from graphopt.match import NodeView
+from graphopt.matching import NodeView
 from graphopt.report import Report
 
 FUSION = "matmul_transpose_to_fused_matmul"

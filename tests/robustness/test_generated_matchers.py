@@ -10,7 +10,7 @@ from hypothesis import given
 
 from graphopt import modelio
 from graphopt.dsl import attr, const, one_of, op, scalar_const, var
-from graphopt.match import CompiledPattern, Miss
+from graphopt.matching import CompiledPattern, Miss
 
 from .graphs import graphs
 
