@@ -444,6 +444,19 @@ class Graph:
         self._implicit: dict[int, list[str]] = {}
         self._scratch: onnx.GraphProto | None = None  # holds the nodes new_node makes
         self.journal: list | None = None
+        # The read API's hottest questions, answered by the indexes' own bound methods (a
+        # Python method around them costs a call frame, and the matchers and the engine ask
+        # them at every candidate; the dicts are never replaced, so these stay current):
+        # op_key(node_id): the node's (normalized domain, op_type); None once removed
+        self.op_key = self.op_keys.get
+        # inputs_of(node_id) / outputs_of(node_id): its edge names ("" for an absent one)
+        self.inputs_of = self.node_inputs.__getitem__
+        self.outputs_of = self.node_outputs.__getitem__
+        # producer_of(tensor): the node producing it; None for a graph input, an
+        # initializer, a name from the outer scope or no tensor at all
+        self.producer_of = self.producer.get
+        # order_of(node_id): its sort key (nodes are written out in this order)
+        self.order_of = self.order.__getitem__
         for node_id, node in enumerate(proto.node):
             self._index(node, (node_id,), node_id)
         self._ids = itertools.count(len(self.nodes))
@@ -473,32 +486,34 @@ class Graph:
     def consumer_count(self, tensor: str) -> int:
         return len(self.consumers.get(tensor, ()))
 
+    def neighbours(self, node_ids, tensors=()) -> dict[int, None]:
+        """The nodes around ``node_ids`` (themselves, their inputs' producers and readers,
+        their outputs' readers) and the readers of ``tensors``, in that order, once each."""
+        producer, consumers = self.producer, self.consumers
+        found = dict.fromkeys(node_ids)
+        for node_id in node_ids:
+            for name in self.node_inputs[node_id]:
+                if name in producer:
+                    found[producer[name]] = None
+                users = consumers.get(name)
+                if users:
+                    found.update(users)
+            for name in self.node_outputs[node_id]:
+                users = consumers.get(name)
+                if users:
+                    found.update(users)
+        for name in tensors:
+            users = consumers.get(name)
+            if users:
+                found.update(users)
+        return found
+
     def has_node(self, node_id: int) -> bool:
         return node_id in self.nodes
-
-    def op_key(self, node_id: int) -> tuple[str, str] | None:
-        """The node's (normalized domain, op_type); None for a removed node."""
-        return self.op_keys.get(node_id)
-
-    def inputs_of(self, node_id: int) -> tuple[str, ...]:
-        """The node's input names ("" for an absent optional input), as indexed."""
-        return self.node_inputs[node_id]
-
-    def outputs_of(self, node_id: int) -> tuple[str, ...]:
-        return self.node_outputs[node_id]
-
-    def producer_of(self, tensor: str) -> int | None:
-        """The node producing ``tensor``; None for a graph input, an initializer, a name
-        from the outer scope or no tensor at all."""
-        return self.producer.get(tensor)
 
     def is_used(self, tensor: str) -> bool:
         """Whether a node (or a subgraph) reads ``tensor`` or it is a graph output."""
         return tensor in self.protected or bool(self.consumers.get(tensor))
-
-    def order_of(self, node_id: int) -> tuple:
-        """The node's sort key: nodes are written out in this order."""
-        return self.order[node_id]
 
     def implicit_inputs(self, node_id: int) -> list[str]:
         """The outer-scope tensors the node's subgraphs read by name (If/Loop bodies)."""

@@ -87,7 +87,9 @@ def rewrite_in_place(model: Model, graph: Graph, rule: Rule, m: Match, expr: OpE
     dead = graph.remove_dead(removed_inputs)
     if expr.domain:
         model.ensure_opset(expr.domain, 1)
-    return neighbourhood(graph, (root,), (*dead, *removed_inputs))
+    # what to revisit: the new node's neighbours, and the remaining readers of tensors that
+    # lost a reader or a producer (a fan-out rule on such a tensor may match now)
+    return graph.neighbours((root,), (*dead, *removed_inputs))
 
 
 def sticky_attributes(graph: Graph, roots) -> list[onnx.AttributeProto]:
@@ -97,25 +99,6 @@ def sticky_attributes(graph: Graph, roots) -> list[onnx.AttributeProto]:
         return carried
     return [attr for attr in carried
             if all(graph.attr(r, attr.name) is not None for r in roots[1:])]
-
-
-def neighbourhood(graph: Graph, new_ids, lost) -> dict[int, None]:
-    """What to revisit: the new nodes, their producers and consumers, and the remaining
-    consumers of tensors that lost a consumer or a producer (a fan-out rule on such a
-    tensor may match now)."""
-    producer_of, consumers_of = graph.producer_of, graph.consumers_of
-    touched = dict.fromkeys(new_ids)
-    for node_id in new_ids:
-        for name in graph.inputs_of(node_id):
-            producer = producer_of(name)
-            if producer is not None:
-                touched[producer] = None
-            touched.update(dict.fromkeys(consumers_of(name)))
-        for name in graph.outputs_of(node_id):
-            touched.update(dict.fromkeys(consumers_of(name)))
-    for name in lost:
-        touched.update(dict.fromkeys(consumers_of(name)))
-    return touched
 
 
 _HINTS: dict[tuple[str, str], str] = {}
@@ -178,7 +161,7 @@ class Rewriter:
         dead = graph.remove_dead(removed_inputs)
         for domain in self.domains:
             self.model.ensure_opset(domain, 1)
-        return list(neighbourhood(graph, new_ids, dead + removed_inputs))
+        return list(graph.neighbours(new_ids, dead + removed_inputs))  # as rewrite_in_place
 
     def _roots(self, mapping: dict) -> list[int]:
         """The nodes producing the replaced tensors, in graph order; each must be replaced
