@@ -190,10 +190,7 @@ class Rewriter:
             self.new_nodes.append((onnx.helper.make_node(
                 "Identity", [new], [old], name=self.model.names.fresh(f"{old}/Identity")), None))
         else:
-            for consumer in graph.consumers_of(old):
-                for i, name in enumerate(graph.inputs_of(consumer)):
-                    if name == old:
-                        graph.replace_input(consumer, i, new)
+            graph.redirect_readers(old, new)
 
     # ---- building the replacement ------------------------------------------------------
     def _mapping(self, result) -> dict[str, object]:

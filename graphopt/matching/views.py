@@ -18,7 +18,7 @@ class NodeView:
         self.graph, self.id = graph, node_id
 
     proto = property(lambda self: self.graph.node(self.id))
-    name = property(lambda self: self.graph.nodes[self.id].name)  # a pending node has it
+    name = property(lambda self: self.graph.name_of(self.id))
     # from the index: reading the proto makes a Python string every time
     op_type = property(lambda self: self.graph.op_key(self.id)[1])
     inputs = property(lambda self: [TensorView(self.graph, n) for n in self.proto.input])
