@@ -3,7 +3,7 @@ attribute constraint, a constant test, a commutative op's operand orders) is wri
 below, as a condition with the reason it fails, and emitted as Python in two modes:
 
 - ``EXPLAIN``: a failed check records a Miss saying why, and the matcher returns it (what
-  ``--explain`` shows, and what fan-in callers such as tests read);
+  ``--explain`` shows);
 - ``FAST``: a failed check just leaves the alternative; the engine runs this at every
   candidate, so it also gets a pre-check (a necessary condition, tested first) and skips
   the checks that pre-check already made.
