@@ -114,7 +114,7 @@ def _optimize_model(model: Model, rules: list, *, explain: Iterable[str] = (),
         if name not in known:
             raise unknown_rule(name, known)
     original = model.proto.SerializeToString()
-    report = Report(model=model.path or "<in-memory>", nodes_before=len(model.graph.nodes))
+    report = Report(model=model.path or "<in-memory>", nodes_before=model.graph.node_count())
     op_types_before = op_type_counts(model)
     chosen = {r.name for r in rules}
     for name in explain:
@@ -137,7 +137,7 @@ def _optimize_model(model: Model, rules: list, *, explain: Iterable[str] = (),
             report.gated = {**gated, **report.gated}
         report.validation_seconds = time.perf_counter() - check_start
         report.validated = True
-    report.nodes_after = len(model.graph.nodes)
+    report.nodes_after = model.graph.node_count()
     report.seconds = time.perf_counter() - start
     report.op_types_before = op_types_before
     report.op_types_after = op_type_counts(model)
@@ -149,9 +149,8 @@ def op_type_counts(model: Model) -> dict[str, int]:
     from the IR's op-type index (no walk over the nodes, so large graphs pay nothing)."""
     counts: Counter[str] = Counter()
     for graph in model.graphs():
-        for (domain, op_type), ids in graph.by_type.items():
-            if ids:
-                counts[f"{domain}.{op_type}" if domain else op_type] += len(ids)
+        for (domain, op_type), count in graph.op_counts().items():
+            counts[f"{domain}.{op_type}" if domain else op_type] += count
     return dict(sorted(counts.items()))
 
 
@@ -175,7 +174,7 @@ def _replay_carefully(original: bytes, path, rules, explain, first_error):
     proto = onnx.ModelProto()
     proto.ParseFromString(original)
     model = Model(proto, path)
-    report = Report(model=path or "<in-memory>", nodes_before=len(model.graph.nodes))
+    report = Report(model=path or "<in-memory>", nodes_before=model.graph.node_count())
     report.warnings.append("final validation failed "
                            f"({str(first_error).strip().splitlines()[0]}); "
                            "replayed with a check after every rewrite")

@@ -182,17 +182,17 @@ def single_consumer(node: str, reason: str | None = None) -> Callable:
     def constraint(m):
         view = getattr(m, node)
         out = view.proto.output[0]
-        if len(m.graph.consumers.get(out, ())) == 1 and not m.graph.is_output(out):
+        if m.graph.consumer_count(out) == 1 and not m.graph.is_output(out):
             return True
         return reason or f"output of {view.op_type} '{view.name}' has other consumers"
     return constraint
 
 
 def _bound_tensor(m, name: str) -> str:
-    """match.bound_tensor, imported on first use (match imports this module); the global
-    is then rebound to it."""
+    """matching.views.bound_tensor, imported on first use (graphopt.matching imports this
+    module); the global is then rebound to it."""
     global _bound_tensor
-    from .match import bound_tensor
+    from .matching.views import bound_tensor
 
     _bound_tensor = bound_tensor
     return bound_tensor(m, name)

@@ -185,15 +185,15 @@ def _all_names_indexed(graph: Graph) -> Iterator[str]:
     proto = graph.proto
     for vi in itertools.chain(proto.input, proto.output, proto.value_info):
         yield vi.name
-    yield from graph.initializers
+    yield from graph._initializers
     for sparse in proto.sparse_initializer:
         yield sparse.values.name
     for node in proto.node:
         if node.name:
             yield node.name
-    for outputs in graph.node_outputs.values():
+    for outputs in graph._node_outputs.values():
         yield from outputs
-    for node_id in graph.subgraph_owners:
+    for node_id in graph._subgraph_owners:
         for sub in subgraphs_of(graph.node(node_id)):
             yield from _all_names(sub)
 
@@ -404,7 +404,13 @@ def _any_used(tensors, consumers: dict, protected: set) -> bool:
 
 
 class Graph:
-    """One graph scope with its indexes. Node ids are stable ints; order keys are tuples."""
+    """One graph scope with its indexes. Node ids are stable ints; order keys are tuples.
+
+    The indexes are private: callers ask questions (op_key, inputs_of, outputs_of,
+    producer_of, consumers_of, nodes_of_type, order_of, attr, constant_value, elem_type,
+    static_shape, type_of, read_by_subgraph, ...) and change the graph through the
+    journaled primitives (add_node, replace_node, remove_node, replace_input, ...).
+    tests/ir/test_ir_api.py fails if code outside this module touches a private name."""
 
     def __init__(self, proto: onnx.GraphProto, model: Model):
         self.proto = proto
@@ -412,38 +418,51 @@ class Graph:
         # node id -> NodeProto, or PendingNode for one a rewrite made whose proto nobody
         # has needed yet: read a node through node(), which builds it then
         self.nodes: dict[int, onnx.NodeProto | PendingNode] = {}
-        self.order: dict[int, tuple] = {}
-        self.by_type: dict[tuple[str, str], dict[int, None]] = {}
-        self.producer: dict[str, int] = {}
-        self.consumers: dict[str, dict[int, None]] = {}
-        self.op_keys: dict[int, tuple[str, str]] = {}  # node id -> its key in by_type
+        self._order: dict[int, tuple] = {}
+        self._by_type: dict[tuple[str, str], dict[int, None]] = {}
+        self._producer: dict[str, int] = {}
+        self._consumers: dict[str, dict[int, None]] = {}
+        self._op_keys: dict[int, tuple[str, str]] = {}  # node id -> its key in by_type
         # Each node's input and output names, read from the proto once: a protobuf string
         # field makes (and decodes) a new str at every access, which would dominate the
         # matcher and the index updates. The mutation primitives keep them current.
         # Names read from the proto are interned, so every copy of a name is one object:
         # a dict compares keys by identity before comparing text, and in a large graph's
         # indexes (bigger than the CPU caches) the text compare cost a cache miss a probe.
-        self.node_inputs: dict[int, tuple[str, ...]] = {}
-        self.node_outputs: dict[int, tuple[str, ...]] = {}
-        self.subgraph_owners: dict[int, None] = {}  # nodes with graph attributes
-        self.initializers: dict[str, onnx.TensorProto] = {intern(t.name): t
+        self._node_inputs: dict[int, tuple[str, ...]] = {}
+        self._node_outputs: dict[int, tuple[str, ...]] = {}
+        self._subgraph_owners: dict[int, None] = {}  # nodes with graph attributes
+        self._initializers: dict[str, onnx.TensorProto] = {intern(t.name): t
                                                           for t in proto.initializer}
         self.input_names = [intern(i.name) for i in proto.input]
-        self.input_set = frozenset(self.input_names)  # for membership tests in hot paths
+        self._input_set = frozenset(self.input_names)  # for membership tests in hot paths
         self.output_names = [intern(o.name) for o in proto.output]
-        self.protected = set(self.output_names)
-        self.types: dict[str, onnx.TypeProto] = {}
+        self._protected = set(self.output_names)
+        self._types: dict[str, onnx.TypeProto] = {}
         for vi in itertools.chain(proto.input, proto.output, proto.value_info):
             if vi.type.HasField("tensor_type"):
-                self.types[intern(vi.name)] = vi.type
+                self._types[intern(vi.name)] = vi.type
         # Shapes the file declares for outputs and intermediates are claims, not facts (a
         # value_info can say [2,6,4] where the inputs give [B,S,4]): before a rule sees a
         # shape they are replaced by what inference from the graph's inputs finds.
-        self._declared = {name for name, tp in self.types.items()
-                          if name not in self.input_set and tp.tensor_type.HasField("shape")}
+        self._declared = {name for name, tp in self._types.items()
+                          if name not in self._input_set and tp.tensor_type.HasField("shape")}
         self._implicit: dict[int, list[str]] = {}
         self._scratch: onnx.GraphProto | None = None  # holds the nodes new_node makes
         self.journal: list | None = None
+        # The read API's hottest questions, answered by the indexes' own bound methods (a
+        # Python method around them costs a call frame, and the matchers and the engine ask
+        # them at every candidate; the dicts are never replaced, so these stay current):
+        # op_key(node_id): the node's (normalized domain, op_type); None once removed
+        self.op_key = self._op_keys.get
+        # inputs_of(node_id) / outputs_of(node_id): its edge names ("" for an absent one)
+        self.inputs_of = self._node_inputs.__getitem__
+        self.outputs_of = self._node_outputs.__getitem__
+        # producer_of(tensor): the node producing it; None for a graph input, an
+        # initializer, a name from the outer scope or no tensor at all
+        self.producer_of = self._producer.get
+        # order_of(node_id): its sort key (nodes are written out in this order)
+        self.order_of = self._order.__getitem__
         for node_id, node in enumerate(proto.node):
             self._index(node, (node_id,), node_id)
         self._ids = itertools.count(len(self.nodes))
@@ -464,33 +483,138 @@ class Graph:
         return get_attr(node.template if type(node) is PendingNode else node, name, default)
 
     def nodes_of_type(self, op_type: str, domain: str = STANDARD_DOMAIN) -> list[int]:
-        return list(self.by_type.get((domain, op_type), ()))
+        return list(self._by_type.get((domain, op_type), ()))
 
     def consumers_of(self, tensor: str) -> list[int]:
-        return list(self.consumers.get(tensor, ()))
+        """The nodes reading ``tensor`` (an input, or by name from a subgraph), a copy."""
+        return list(self._consumers.get(tensor, ()))
+
+    def consumer_count(self, tensor: str) -> int:
+        return len(self._consumers.get(tensor, ()))
+
+    def neighbours(self, node_ids, tensors=()) -> dict[int, None]:
+        """The nodes around ``node_ids`` (themselves, their inputs' producers and readers,
+        their outputs' readers) and the readers of ``tensors``, in that order, once each."""
+        producer, consumers = self._producer, self._consumers
+        found = dict.fromkeys(node_ids)
+        for node_id in node_ids:
+            for name in self._node_inputs[node_id]:
+                if name in producer:
+                    found[producer[name]] = None
+                users = consumers.get(name)
+                if users:
+                    found.update(users)
+            for name in self._node_outputs[node_id]:
+                users = consumers.get(name)
+                if users:
+                    found.update(users)
+        for name in tensors:
+            users = consumers.get(name)
+            if users:
+                found.update(users)
+        return found
+
+    def has_tensor(self, tensor: str) -> bool:
+        """Whether a node of this scope produces or reads ``tensor``."""
+        return tensor in self._producer or tensor in self._consumers
+
+    def op_counts(self) -> dict[tuple[str, str], int]:
+        """(domain, op_type) -> how many nodes of this scope have it (none: left out)."""
+        return {key: len(ids) for key, ids in self._by_type.items() if ids}
+
+    def index_snapshot(self) -> tuple:
+        """Copies of every index (op types, edges, producers, consumers, order), equal for
+        two graphs indexed alike: for checking that a rollback restored them."""
+        return (dict(self._op_keys), dict(self._node_inputs), dict(self._node_outputs),
+                dict(self._producer), {k: dict(v) for k, v in self._consumers.items()},
+                {k: dict(v) for k, v in self._by_type.items() if v}, dict(self._order))
+
+    def has_node(self, node_id: int) -> bool:
+        return node_id in self.nodes
+
+    def is_used(self, tensor: str) -> bool:
+        """Whether a node (or a subgraph) reads ``tensor`` or it is a graph output."""
+        return tensor in self._protected or bool(self._consumers.get(tensor))
+
+    def implicit_inputs(self, node_id: int) -> list[str]:
+        """The outer-scope tensors the node's subgraphs read by name (If/Loop bodies)."""
+        return list(self._implicit.get(node_id, ()))
+
+    def read_by_subgraph(self, tensor: str) -> bool:
+        """Whether a subgraph (an If/Loop body) reads ``tensor`` by name from this scope:
+        rewiring node inputs cannot reach such a use, so the name must stay."""
+        implicit = self._implicit
+        return bool(implicit) and any(tensor in implicit.get(user, ())
+                                      for user in self._consumers.get(tensor, ()))
+
+    def owns_subgraphs(self, node_id: int) -> bool:
+        return node_id in self._subgraph_owners
+
+    def subgraph_owner_ids(self) -> list[int]:
+        """The nodes with graph attributes (If, Loop, ...), in the order they were indexed."""
+        return list(self._subgraph_owners)
+
+    def is_initializer(self, tensor: str) -> bool:
+        return tensor in self._initializers
+
+    def initializer(self, tensor: str) -> onnx.TensorProto | None:
+        return self._initializers.get(tensor)
+
+    def initializer_count(self) -> int:
+        return len(self._initializers)
+
+    def initializer_names(self) -> list[str]:
+        return list(self._initializers)
+
+    def node_count(self) -> int:
+        return len(self.nodes)
+
+    def name_of(self, node_id: int) -> str:
+        """The node's name ("" if unnamed), read without building a pending node."""
+        return self.nodes[node_id].name
+
+    def carried_attributes(self, node_id: int, names) -> list[onnx.AttributeProto]:
+        """The node's attributes named in ``names`` (annotations such as __backwardpass
+        that a replacement carries on). A pending node has none: it holds only what the
+        rewrite that made it gave it."""
+        node = self.nodes[node_id]
+        if type(node) is PendingNode:
+            return []
+        attributes = node.attribute
+        if not attributes:  # the common case, without building a list
+            return []
+        return [attr for attr in attributes if attr.name in names]
+
+    def is_defined(self, tensor: str) -> bool:
+        """Produced by a node, or an initializer or graph input of this scope."""
+        return tensor in self._producer or tensor in self._initializers or tensor in self._input_set
+
+    def type_of(self, tensor: str) -> onnx.TypeProto | None:
+        """The tensor's type as known (declared inputs, inference, rewrites), or None."""
+        return self._types.get(tensor)
 
     def sorted_ids(self) -> list[int]:
-        return sorted(self.nodes, key=self.order.__getitem__)
+        return sorted(self.nodes, key=self._order.__getitem__)
 
     def is_graph_input(self, tensor: str) -> bool:
-        return tensor in self.input_set
+        return tensor in self._input_set
 
     def is_output(self, tensor: str) -> bool:
-        return tensor in self.protected
+        return tensor in self._protected
 
     def constant_value(self, tensor: str, max_elements: int = 1 << 20) -> np.ndarray | None:
         """The value of an initializer or Constant-node output, if small enough to look at.
 
         An initializer that is also a graph input can be overridden at run time, so it is
         not a constant."""
-        init = self.initializers.get(tensor)
+        init = self._initializers.get(tensor)
         if init is not None:
-            if tensor in self.input_set or int(np.prod(init.dims)) > max_elements:
+            if tensor in self._input_set or int(np.prod(init.dims)) > max_elements:
                 return None
             if init.data_location == onnx.TensorProto.EXTERNAL:
                 return self.model.external_array(init)
             return numpy_helper.to_array(init)
-        node_id = self.producer.get(tensor)
+        node_id = self._producer.get(tensor)
         if node_id is None:
             return None
         node = self.nodes[node_id]
@@ -519,13 +643,13 @@ class Graph:
 
     def elem_type(self, tensor: str, infer: bool = True) -> int | None:
         """Element type; with ``infer``, runs whole-model inference once if it must."""
-        tp = self.types.get(tensor)
+        tp = self._types.get(tensor)
         if tp is not None:
             return tp.tensor_type.elem_type or None
-        init = self.initializers.get(tensor)
+        init = self._initializers.get(tensor)
         if init is not None:
             return init.data_type
-        node_id = self.producer.get(tensor)
+        node_id = self._producer.get(tensor)
         if node_id is not None and self.nodes[node_id].op_type == "Constant":
             value = self.constant_value(tensor, max_elements=1 << 30)
             if value is not None:
@@ -551,24 +675,24 @@ class Graph:
         found = self.model.inferred_types()
         for name in declared:
             tp = found.get(name)
-            old = self.types.get(name)
+            old = self._types.get(name)
             if old is None:
                 continue
             if tp is None or not tp.HasField("tensor_type"):
                 tp = onnx.TypeProto()
                 tp.tensor_type.elem_type = old.tensor_type.elem_type
-            self.types[name] = tp
+            self._types[name] = tp
 
     def static_shape(self, tensor: str, infer: bool = True) -> list[int | None] | None:
         """Shape with None for unknown dims, or None when even the rank is unknown: from the
         graph's inputs, initializers and inference, never from a declaration alone."""
         if tensor in self._declared:
             self.verify_declared((tensor,))
-        tp = self.types.get(tensor)
+        tp = self._types.get(tensor)
         if tp is not None and tp.tensor_type.HasField("shape"):
             return [d.dim_value if d.HasField("dim_value") else None
                     for d in tp.tensor_type.shape.dim]
-        init = self.initializers.get(tensor)
+        init = self._initializers.get(tensor)
         if init is not None:
             return list(init.dims)
         if infer and self.model.infer_types():
@@ -581,24 +705,24 @@ class Graph:
                key: tuple[str, str] | None = None) -> int:
         node_id = next(self._ids) if node_id is None else node_id
         self.nodes[node_id] = node
-        self.order[node_id] = order
+        self._order[node_id] = order
         if key is None:
             domain, op_type = node.domain, node.op_type
             key = (STANDARD_DOMAIN if domain == STANDARD_DOMAIN_ALIAS else domain, op_type)
         else:
             domain, op_type = key
-        self.op_keys[node_id] = key
-        by_type = self.by_type.get(key)
+        self._op_keys[node_id] = key
+        by_type = self._by_type.get(key)
         if by_type is None:
-            by_type = self.by_type[key] = {}
+            by_type = self._by_type[key] = {}
         by_type[node_id] = None
         if edges is None:  # (a slice first: iterating the protobuf field itself is slower)
             inputs, outputs = tuple(map(intern, node.input[:])), \
                 tuple(map(intern, node.output[:]))
         else:
             inputs, outputs = edges
-        self.node_inputs[node_id], self.node_outputs[node_id] = inputs, outputs
-        producer, consumers = self.producer, self.consumers
+        self._node_inputs[node_id], self._node_outputs[node_id] = inputs, outputs
+        producer, consumers = self._producer, self._consumers
         for name in outputs:
             if name:
                 producer[name] = node_id
@@ -616,25 +740,25 @@ class Graph:
 
     def _index_subgraphs(self, node_id: int, node: onnx.NodeProto) -> None:
         """Outer-scope tensors the node's subgraphs read count as its inputs."""
-        self.subgraph_owners[node_id] = None
+        self._subgraph_owners[node_id] = None
         implicit = [n for sub in subgraphs_of(node) for n in free_variables(sub)]
         if implicit:
             self._implicit[node_id] = implicit
             for name in implicit:
-                self.consumers.setdefault(name, {})[node_id] = None
+                self._consumers.setdefault(name, {})[node_id] = None
 
     def _unindex(self, node_id: int) -> onnx.NodeProto:
         node = self.nodes.pop(node_id)
-        del self.order[node_id]
-        self.by_type[self.op_keys.pop(node_id)].pop(node_id)
-        inputs = self.node_inputs.pop(node_id)
-        producer, consumers = self.producer, self.consumers
-        for name in self.node_outputs.pop(node_id):
+        del self._order[node_id]
+        self._by_type[self._op_keys.pop(node_id)].pop(node_id)
+        inputs = self._node_inputs.pop(node_id)
+        producer, consumers = self._producer, self._consumers
+        for name in self._node_outputs.pop(node_id):
             if name and producer.get(name) == node_id:
                 del producer[name]
         # both are empty in most graphs: test before calling pop
-        if self.subgraph_owners:
-            self.subgraph_owners.pop(node_id, None)
+        if self._subgraph_owners:
+            self._subgraph_owners.pop(node_id, None)
         implicit = self._implicit.pop(node_id, None) if self._implicit else None
         for name in inputs if implicit is None else itertools.chain(inputs, implicit):
             users = consumers.get(name)
@@ -680,23 +804,23 @@ class Graph:
         """Put ``node`` (reading ``inputs``, with op key ``key``) in the place of node
         ``node_id``: same id, same order, same outputs, so only what differs is
         re-indexed. Neither node may have subgraphs."""
-        if node_id in self.subgraph_owners or has_subgraphs(node, *key):
+        if node_id in self._subgraph_owners or has_subgraphs(node, *key):
             raise ValueError("replace_node: a node with subgraphs is removed and added instead")
-        old_key, old_inputs = self.op_keys[node_id], self.node_inputs[node_id]
+        old_key, old_inputs = self._op_keys[node_id], self._node_inputs[node_id]
         self.changed = True
         if self.journal is not None:  # (rollback runs without a journal: no re-recording)
             self.journal.append((self.replace_node, node_id, self.nodes[node_id], old_inputs,
                                  old_key))
         self.nodes[node_id] = node
         if key != old_key:
-            self.by_type[old_key].pop(node_id)
-            by_type = self.by_type.get(key)
+            self._by_type[old_key].pop(node_id)
+            by_type = self._by_type.get(key)
             if by_type is None:
-                by_type = self.by_type[key] = {}
+                by_type = self._by_type[key] = {}
             by_type[node_id] = None
-            self.op_keys[node_id] = key
+            self._op_keys[node_id] = key
         if inputs != old_inputs:
-            consumers = self.consumers
+            consumers = self._consumers
             for name in old_inputs:
                 if name and name not in inputs:
                     users = consumers[name]
@@ -710,45 +834,53 @@ class Graph:
                         consumers[name] = {node_id: None}
                     else:
                         users[node_id] = None
-            self.node_inputs[node_id] = inputs
+            self._node_inputs[node_id] = inputs
 
     def remove_node(self, node_id: int) -> None:
-        order = self.order[node_id]
+        order = self._order[node_id]
         node = self._unindex(node_id)
         self.changed = True
         if self.journal is not None:
             self.journal.append((self._index, node, order, node_id))
 
+    def redirect_readers(self, old: str, new: str) -> None:
+        """Every node input reading ``old`` reads ``new`` instead (a subgraph reading
+        ``old`` by name is not reached: ask read_by_subgraph first)."""
+        for reader in self.consumers_of(old):
+            for index, name in enumerate(self._node_inputs[reader]):
+                if name == old:
+                    self.replace_input(reader, index, new)
+
     def replace_input(self, node_id: int, index: int, tensor: str) -> None:
-        old = self.node_inputs[node_id][index]
+        old = self._node_inputs[node_id][index]
         self._set_input(node_id, index, tensor)
         self._log(self._set_input, node_id, index, old)
 
     def _set_input(self, node_id: int, index: int, tensor: str) -> None:
-        inputs = list(self.node_inputs[node_id])
+        inputs = list(self._node_inputs[node_id])
         old = inputs[index]
         self.node(node_id).input[index] = inputs[index] = tensor
-        self.node_inputs[node_id] = tuple(inputs)
+        self._node_inputs[node_id] = tuple(inputs)
         if old and old not in inputs and old not in self._implicit.get(node_id, ()):
-            users = self.consumers[old]
+            users = self._consumers[old]
             users.pop(node_id, None)
             if not users:
-                del self.consumers[old]
+                del self._consumers[old]
         if tensor:
-            self.consumers.setdefault(tensor, {})[node_id] = None
+            self._consumers.setdefault(tensor, {})[node_id] = None
 
     def add_initializer(self, tensor: onnx.TensorProto) -> None:
-        self.initializers[tensor.name] = tensor
-        self._log(self.initializers.pop, tensor.name)
+        self._initializers[tensor.name] = tensor
+        self._log(self._initializers.pop, tensor.name)
         # A folded tensor's type may have been inferred with unknown dims while it was
         # computed; its value's type is exact.
         exact = onnx.helper.make_tensor_type_proto(tensor.data_type, list(tensor.dims))
-        if self.types.get(tensor.name) != exact:
+        if self._types.get(tensor.name) != exact:
             self.set_type(tensor.name, exact)
 
     def remove_initializer(self, name: str) -> None:
-        tensor = self.initializers.pop(name)
-        self._log(self.initializers.__setitem__, name, tensor)
+        tensor = self._initializers.pop(name)
+        self._log(self._initializers.__setitem__, name, tensor)
 
     def set_attribute(self, node_id: int, attr: onnx.AttributeProto) -> None:
         node = self.node(node_id)
@@ -758,7 +890,7 @@ class Graph:
             saved.CopyFrom(previous[0])
         self._put_attribute(node, attr)
         if attr.type in _GRAPH_ATTRIBUTE_TYPES:
-            self.subgraph_owners[node_id] = None  # a stale entry is harmless: none found
+            self._subgraph_owners[node_id] = None  # a stale entry is harmless: none found
 
         def undo():
             if previous:
@@ -778,17 +910,17 @@ class Graph:
         node.attribute.append(attr)
 
     def set_type(self, tensor: str, type_proto: onnx.TypeProto) -> None:
-        old = self.types.get(tensor)
-        self.types[tensor] = type_proto
+        old = self._types.get(tensor)
+        self._types[tensor] = type_proto
         if old is None:
-            self._log(self.types.pop, tensor)
+            self._log(self._types.pop, tensor)
         else:
-            self._log(self.types.__setitem__, tensor, old)
+            self._log(self._types.__setitem__, tensor, old)
 
     def remove_dead(self, candidates: Iterable[str]) -> list[str]:
         """Delete the producers (and initializers) of these tensors if nothing reads them
         any more, and so on upstream; returns the tensors whose producers went away."""
-        consumers, protected, producers = self.consumers, self.protected, self.producer
+        consumers, protected, producers = self._consumers, self._protected, self._producer
         dead_tensors = []
         stack = list(candidates)  # a repeated name is harmless: found gone the second time
         while stack:
@@ -797,15 +929,15 @@ class Graph:
                 continue
             producer = producers.get(name)
             if producer is not None:
-                outputs = self.node_outputs[producer]
+                outputs = self._node_outputs[producer]
                 # (a single output is ``name``, just found unused)
                 if len(outputs) > 1 and _any_used(outputs, consumers, protected):
                     continue
-                inputs = self.node_inputs[producer]
+                inputs = self._node_inputs[producer]
                 self.remove_node(producer)
                 dead_tensors.append(name)
                 stack.extend(inputs)
-            elif name in self.initializers and name not in self.input_set:
+            elif name in self._initializers and name not in self._input_set:
                 self.remove_initializer(name)
         return dead_tensors
 
@@ -843,11 +975,11 @@ class Graph:
                 node.write(out.add())
                 run_start = i + 1
         out.extend(ordered[run_start:])
-        if [t.name for t in self.proto.initializer] != list(self.initializers):
-            kept = list(self.initializers.values())
+        if [t.name for t in self.proto.initializer] != list(self._initializers):
+            kept = list(self._initializers.values())
             del self.proto.initializer[:]
             self.proto.initializer.extend(kept)
-        live = set(self.producer) | set(self.consumers)
+        live = set(self._producer) | set(self._consumers)
         stale = [vi for vi in self.proto.value_info if vi.name not in live]
         if stale:
             kept = [vi for vi in self.proto.value_info if vi.name in live]
@@ -895,7 +1027,7 @@ class Model:
 
     def _walk(self, graph: Graph) -> Iterator[Graph]:
         yield graph
-        owners = sorted(graph.subgraph_owners, key=graph.order.__getitem__)
+        owners = sorted(graph._subgraph_owners, key=graph._order.__getitem__)
         for node_id in owners:
             for sub in subgraphs_of(graph.node(node_id)):
                 key = id(sub)
@@ -915,8 +1047,8 @@ class Model:
             return False
         for graph in [self.graph, *self._subgraphs.values()]:
             for name, tp in found.items():
-                if name not in graph.types and (name in graph.producer or name in graph.consumers):
-                    graph.types[name] = tp
+                if name not in graph._types and graph.has_tensor(name):
+                    graph._types[name] = tp
         return True
 
     def refresh_types(self) -> int:
@@ -931,11 +1063,11 @@ class Model:
         changed = 0
         for graph in [self.graph, *self._subgraphs.values()]:
             for name, tp in found.items():
-                if name not in graph.producer and name not in graph.consumers:
+                if name not in graph._producer and name not in graph._consumers:
                     continue
-                old = graph.types.get(name)
+                old = graph._types.get(name)
                 if old is None or _refines(old, tp):
-                    graph.types[name] = tp
+                    graph._types[name] = tp
                     changed += 1
         return changed
 

@@ -11,7 +11,7 @@ import onnx
 from onnx import numpy_helper
 
 from graphopt.dsl import Pass
-from graphopt.ir import STANDARD_DOMAIN, normalize_domain, subgraphs_of, type_dims
+from graphopt.ir import STANDARD_DOMAIN, subgraphs_of, type_dims
 from graphopt.vocabulary import attribute_default
 
 MAX_FOLDED_ELEMENTS = 4096  # keep weights out: folding Transpose(W) would duplicate them
@@ -81,9 +81,9 @@ def _static_shape(graph, node) -> list | None:
     known numbers; None otherwise."""
     if node.op_type not in ("Shape", "Size") or not node.input:
         return None
-    tensor_type = graph.types.get(node.input[0])
+    tensor_type = graph.type_of(node.input[0])
     if tensor_type is None and graph.model.infer_types():
-        tensor_type = graph.types.get(node.input[0])
+        tensor_type = graph.type_of(node.input[0])
     dims = type_dims(tensor_type) if tensor_type is not None else None
     if dims is None or not all(isinstance(d, int) for d in dims):
         return None
@@ -98,9 +98,9 @@ def _static_shape(graph, node) -> list | None:
 def fold(graph, report) -> int:
     folded = 0
     for node_id in graph.sorted_ids():
-        node = graph.nodes.get(node_id)
-        if (node is None or node.op_type in NOT_FOLDED or not node.input
-                or normalize_domain(node.domain) != STANDARD_DOMAIN):
+        key = graph.op_key(node_id)
+        if (key is None or key[0] != STANDARD_DOMAIN or key[1] in NOT_FOLDED
+                or not graph.inputs_of(node_id)):
             continue
         node = graph.node(node_id)
         if any(True for _ in subgraphs_of(node)) or any(graph.is_output(o) for o in node.output):

@@ -41,7 +41,7 @@ def _shape_range(graph, node_id: int, rank: int) -> list[int]:
 
 def _shape_of(graph, node_id: int):
     """(tensor whose shape this Shape node reads, positions of the dims it returns)."""
-    source = graph.node_inputs[node_id][0]
+    source = graph.inputs_of(node_id)[0]
     dims = _dims(graph, source)
     if dims is None:
         return None, None, None
@@ -85,17 +85,17 @@ def _picked_positions(graph, node, positions: list[int]) -> np.ndarray | None:
 
 def _value(graph, node_id: int):
     """The constant a Shape/Size (or a Gather/Slice of a Shape) computes, or None."""
-    op_type = graph.op_keys[node_id][1]
+    op_type = graph.op_key(node_id)[1]
     if op_type == "Shape":
         _, dims, positions = _shape_of(graph, node_id)
         return None if dims is None else _static(dims, positions)
     if op_type == "Size":
-        dims = _dims(graph, graph.node_inputs[node_id][0])
+        dims = _dims(graph, graph.inputs_of(node_id)[0])
         if dims is None or any(d is None for d in dims):
             return None
         return np.array(int(np.prod(dims, dtype=np.int64)), dtype=np.int64)
-    source = graph.producer.get(graph.node_inputs[node_id][0])
-    if source is None or graph.op_keys[source] != (STANDARD_DOMAIN, "Shape"):
+    source = graph.producer_of(graph.inputs_of(node_id)[0])
+    if source is None or graph.op_key(source) != (STANDARD_DOMAIN, "Shape"):
         return None
     _, dims, positions = _shape_of(graph, source)
     if dims is None:
@@ -139,10 +139,9 @@ def refine_types(graph) -> None:
         return
     for vi in inferred.graph.value_info:
         name, new = vi.name, vi.type
-        if not new.HasField("tensor_type") or not (name in graph.producer
-                                                   or name in graph.consumers):
+        if not new.HasField("tensor_type") or not graph.has_tensor(name):
             continue
-        old = graph.types.get(name)
+        old = graph.type_of(name)
         if old is None or _more_static(old, new):
             graph.set_type(name, new)
 
@@ -157,10 +156,10 @@ _REFINED_AT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _refine_if_folded(graph, force: bool = False) -> None:
     """Refine the types when something was folded since the last refinement (by this pass
     or by fold_constants): a Slice whose bounds just became constants has a static output."""
-    snapshot = (len(graph.nodes), len(graph.initializers))
+    snapshot = (graph.node_count(), graph.initializer_count())
     if force or _REFINED_AT.get(graph) != snapshot:
         refine_types(graph)
-        _REFINED_AT[graph] = (len(graph.nodes), len(graph.initializers))
+        _REFINED_AT[graph] = (graph.node_count(), graph.initializer_count())
 
 
 def fold(graph, report) -> int:
@@ -170,17 +169,17 @@ def fold(graph, report) -> int:
     _refine_if_folded(graph)
     candidates = [i for op_type in FOLDED for i in graph.nodes_of_type(op_type)]
     folded = 0
-    for node_id in sorted(candidates, key=graph.order.__getitem__):
-        if node_id not in graph.nodes:
+    for node_id in sorted(candidates, key=graph.order_of):
+        if not graph.has_node(node_id):
             continue
-        outputs = graph.node_outputs[node_id]
+        outputs = graph.outputs_of(node_id)
         if len(outputs) != 1 or graph.is_output(outputs[0]) \
                 or any(True for _ in subgraphs_of(graph.node(node_id))):
             continue
         value = _value(graph, node_id)
         if value is None:
             continue
-        inputs = graph.node_inputs[node_id]
+        inputs = graph.inputs_of(node_id)
         graph.remove_node(node_id)
         graph.add_initializer(numpy_helper.from_array(value, outputs[0]))
         graph.remove_dead(inputs)

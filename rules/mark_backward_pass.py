@@ -7,7 +7,7 @@ import onnx
 
 from graphopt.dsl import Pass
 from graphopt.errors import GraphoptError
-from graphopt.ir import MS_DOMAIN, nested_nodes, subgraphs_of
+from graphopt.ir import MS_DOMAIN, STANDARD_DOMAIN, nested_nodes, subgraphs_of
 from graphopt.vocabulary import BACKWARD_PASS_ATTRIBUTE, YIELD_OP, is_yield_op
 
 
@@ -17,9 +17,8 @@ def forward_nodes(graph, yield_id: int) -> set[int]:
     stack = [yield_id]
     while stack:
         node_id = stack.pop()
-        node = graph.nodes[node_id]  # (pending or built, both have input)
-        for name in list(node.input) + graph._implicit.get(node_id, []):
-            producer = graph.producer.get(name)
+        for name in (*graph.inputs_of(node_id), *graph.implicit_inputs(node_id)):
+            producer = graph.producer_of(name)
             if producer is not None and producer not in ancestors:
                 ancestors.add(producer)
                 stack.append(producer)
@@ -30,13 +29,13 @@ def mark(graph, report) -> int:
     if graph is not graph.model.graph:
         return 0  # the main graph's run counts (and refuses) the YieldOps of every branch
     yields = graph.nodes_of_type(YIELD_OP, MS_DOMAIN)
-    nested = [node for owner in graph.subgraph_owners
+    nested = [node for owner in graph.subgraph_owner_ids()
               for body in subgraphs_of(graph.node(owner)) for node, _ in nested_nodes(body)
               if is_yield_op(node)]
     if not yields and not nested:
         return 0
     if len(yields) + len(nested) > 1 or nested:
-        names = ", ".join([repr(graph.nodes[i].name) for i in yields]
+        names = ", ".join([repr(graph.name_of(i)) for i in yields]
                           + [repr(n.name) for n in nested])
         where = f", {len(nested)} inside an If/Loop/Scan body" if nested else ""
         raise GraphoptError(f"the graph has {len(yields) + len(nested)} YieldOp nodes "
@@ -45,8 +44,7 @@ def mark(graph, report) -> int:
     forward = forward_nodes(graph, yields[0])
     changes = 0
     for node_id in graph.sorted_ids():
-        node = graph.nodes[node_id]
-        if node.op_type == "Constant" and not node.domain:
+        if graph.op_key(node_id) == (STANDARD_DOMAIN, "Constant"):
             # A Constant computes nothing (no GEMM/conv to guard), and ONNX reads a Constant
             # with a second attribute wrongly: shape inference took __backwardpass=1 as its
             # value, the whole-model check failed and the pass was rolled back entirely.

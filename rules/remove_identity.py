@@ -11,49 +11,38 @@ from __future__ import annotations
 from graphopt.dsl import Pass
 
 
-def _read_by_a_subgraph(graph, tensor: str) -> bool:
-    """A subgraph reads ``tensor`` by name from the outer scope: renaming it would need the
-    subgraph edited too, so such Identities stay."""
-    return any(tensor in graph._implicit.get(user, ()) for user in graph.consumers_of(tensor))
-
-
-def _rewire_readers(graph, old: str, new: str) -> None:
-    for user in graph.consumers_of(old):
-        for index, name in enumerate(graph.node_inputs[user]):
-            if name == old:
-                graph.replace_input(user, index, new)
-
-
 def _remove(graph, node_id: int) -> bool:
-    source, target = graph.node_inputs[node_id][0], graph.node_outputs[node_id][0]
-    if not source or not target or _read_by_a_subgraph(graph, target):
+    source, target = graph.inputs_of(node_id)[0], graph.outputs_of(node_id)[0]
+    # A subgraph reading a name from the outer scope would need editing too to follow a
+    # rename: Identities whose input or output one reads stay.
+    if not source or not target or graph.read_by_subgraph(target):
         return False
     if not graph.is_output(target):
         graph.remove_node(node_id)
-        _rewire_readers(graph, target, source)
+        graph.redirect_readers(target, source)
         return True
     # The output name must survive: the producer of the input writes it instead.
-    producer = graph.producer.get(source)
+    producer = graph.producer_of(source)
     if (producer is None or graph.is_output(source) or graph.is_graph_input(source)
-            or source in graph.initializers or _read_by_a_subgraph(graph, source)):
+            or graph.is_initializer(source) or graph.read_by_subgraph(source)):
         return False
     graph.remove_node(node_id)
-    order = graph.order[producer]
+    order = graph.order_of(producer)
     renamed = graph.new_node(graph.node(producer))
     outputs = [target if name == source else name for name in renamed.output]
     del renamed.output[:]
     renamed.output.extend(outputs)
     graph.remove_node(producer)
     graph.add_node(renamed, order)
-    _rewire_readers(graph, source, target)
-    if source in graph.types and target not in graph.types:
-        graph.set_type(target, graph.types[source])
+    graph.redirect_readers(source, target)
+    if graph.type_of(source) is not None and graph.type_of(target) is None:
+        graph.set_type(target, graph.type_of(source))
     return True
 
 
 def remove(graph, report) -> int:
     removed = 0
-    for node_id in sorted(graph.nodes_of_type("Identity"), key=graph.order.__getitem__):
+    for node_id in sorted(graph.nodes_of_type("Identity"), key=graph.order_of):
         removed += _remove(graph, node_id)
     return removed
 

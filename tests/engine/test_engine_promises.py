@@ -92,11 +92,11 @@ def test_a_fusion_is_marked_only_when_every_replaced_node_is(marked_slices, expe
 def test_rollback_removes_the_initializers_a_transaction_added():
     model = modelio.load(model_from_text(TWO_TRANSPOSES))
     graph = model.graph
-    before = set(graph.initializers)
+    before = set(graph.initializer_names())
     graph.begin()
     graph.add_initializer(numpy_helper.from_array(np.ones(3, np.float32), "added"))
     graph.rollback()
-    assert set(graph.initializers) == before
+    assert set(graph.initializer_names()) == before
     graph.changed = True
     assert "added" not in {t.name for t in model.flush().graph.initializer}
 
@@ -109,35 +109,35 @@ def test_rollback_brings_back_the_initializers_a_transaction_removed():
     graph.begin()
     graph.remove_initializer("w")
     graph.rollback()
-    assert numpy_helper.to_array(graph.initializers["w"]).tolist() == [1.0, 2.0, 3.0]
+    assert numpy_helper.to_array(graph.initializer("w")).tolist() == [1.0, 2.0, 3.0]
 
 
 def test_rollback_restores_a_redirected_consumer():
     model = modelio.load(model_from_text(TWO_TRANSPOSES))
     graph = model.graph
-    consumer = graph.producer["y"]
+    consumer = graph.producer_of("y")
     graph.begin()
     graph.replace_input(consumer, 0, "x")
-    assert graph.node_inputs[consumer] == ("x",)
+    assert graph.inputs_of(consumer) == ("x",)
     graph.rollback()
-    assert graph.node_inputs[consumer] == ("t",)
+    assert graph.inputs_of(consumer) == ("t",)
     assert list(graph.node(consumer).input) == ["t"]
-    assert consumer in graph.consumers["t"] and consumer not in graph.consumers.get("x", {})
+    assert consumer in graph.consumers_of("t") and consumer not in graph.consumers_of("x")
 
 
 def test_rollback_undoes_in_reverse_order():
     """Two edits of the same input: undoing them oldest first would leave the middle one."""
     model = modelio.load(model_from_text(TWO_TRANSPOSES))
     graph = model.graph
-    consumer = graph.producer["y"]
+    consumer = graph.producer_of("y")
     graph.begin()
     graph.replace_input(consumer, 0, "x")
     graph.add_initializer(numpy_helper.from_array(np.ones(3, np.float32), "w"))
     graph.replace_input(consumer, 0, "w")
     graph.remove_initializer("w")
     graph.rollback()
-    assert graph.node_inputs[consumer] == ("t",)
-    assert "w" not in graph.initializers
+    assert graph.inputs_of(consumer) == ("t",)
+    assert not graph.is_initializer("w")
 
 
 # Unsqueeze(x, axes) -> x: the Relu reading 'u' is redirected to 'x', which passes the local

@@ -10,7 +10,7 @@ from hypothesis import given
 
 from graphopt import modelio
 from graphopt.dsl import attr, const, one_of, op, scalar_const, var
-from graphopt.match import CompiledPattern, Miss
+from graphopt.matching import CompiledPattern, Miss
 
 from .graphs import graphs
 
@@ -39,7 +39,7 @@ PATTERNS = {
 
 def _agree(graph, compiled: CompiledPattern, node_id: int) -> bool:
     """Whether the pattern matched at ``node_id``; fails if the two matchers disagree."""
-    key = graph.op_keys[node_id]
+    key = graph.op_key(node_id)
     generated = compiled.fast_by_key[key](graph)(node_id)
     closure = compiled.match(graph, node_id)
     if isinstance(closure, Miss):

@@ -240,7 +240,7 @@ def test_item11_optimize_file_saves_the_model_final_validation_accepted(tmp_path
     from graphopt.dsl import Pass
 
     def drop_t2_producer(graph, report):
-        producer = graph.producer.get("t2")
+        producer = graph.producer_of("t2")
         if producer is None:
             return 0
         graph.remove_node(producer)
