@@ -16,7 +16,7 @@ class KernelContext:
     node that the kernel may overwrite (see ``out_for``)."""
 
     __slots__ = ("backend", "xp", "numerics", "training", "yield_feeds", "donated", "_rng",
-                 "_node_rngs")
+                 "_node_rngs", "_host_constants", "_host_made")
 
     def __init__(self, backend: ArrayBackend, numerics: Any, training: bool, seed: int | None):
         self.backend = backend
@@ -27,6 +27,12 @@ class KernelContext:
         self.donated: tuple = ()
         self._rng = np.random.default_rng(seed)
         self._node_rngs: dict[str, np.random.Generator] = {}
+        # Host copies of small integer device arrays (shapes, axes): id -> (array, host copy).
+        # The array is held so its id cannot be reused; a kernel reading such a tensor as
+        # Python ints then needs no blocking device->host copy. Constants (integer
+        # initializers) live with the session, what kernels made lives for one run.
+        self._host_constants: dict[int, tuple[Any, np.ndarray]] = {}
+        self._host_made: dict[int, tuple[Any, np.ndarray]] = {}
 
     def out_for(self, shape, dtype, *candidates):
         """A donated input among ``candidates`` that can hold a result of ``shape`` and
@@ -39,10 +45,34 @@ class KernelContext:
 
     def host_ints(self, array) -> list[int]:
         """Small integer tensors (shapes, axes, starts) as Python ints."""
-        return [int(v) for v in np.asarray(self.backend.to_host(array)).reshape(-1)]
+        return [int(v) for v in self._on_host(array).reshape(-1)]
 
     def host_scalar(self, array):
-        return np.asarray(self.backend.to_host(array)).reshape(-1)[0].item()
+        return self._on_host(array).reshape(-1)[0].item()
+
+    def device_ints(self, values) -> Any:
+        """An int64 tensor of ``values`` (computed on the host: a shape, a size) on the
+        session's device, its host copy remembered for the rest of the run."""
+        host = np.asarray(values, dtype=np.int64)
+        array = self.xp.asarray(host)
+        if array is not host:
+            self._host_made[id(array)] = (array, host)
+        return array
+
+    def remember_constant(self, array, host: np.ndarray) -> None:
+        """``host`` is the value of the device array ``array`` for the session's lifetime."""
+        if array is not host:
+            self._host_constants[id(array)] = (array, host)
+
+    def forget_made(self) -> None:
+        """The end of a run: what kernels made is gone."""
+        self._host_made.clear()
+
+    def _on_host(self, array) -> np.ndarray:
+        known = self._host_made.get(id(array)) or self._host_constants.get(id(array))
+        if known is not None and known[0] is array:
+            return known[1]
+        return np.asarray(self.backend.to_host(array))
 
     def uniform(self, shape, node_name: str = "", seed: int | None = None) -> Any:
         """Uniform [0, 1) float32 samples on the session's device. A node with its own

@@ -21,6 +21,9 @@ from .memory import MemoryGuard
 from .plan import Plan, PlannedNode, build_plan, decode_attributes, topological_order
 from .registry import lookup, normalize_domain
 
+# integer initializers up to this many elements keep a host copy (KernelContext.host_ints)
+SMALL_INTS = 1024
+
 Observer = Callable[[int, str, list[str]], None]
 StepHook = Callable[[int, PlannedNode, tuple], None]
 
@@ -125,10 +128,12 @@ class Session:
         if missing:
             raise UnsupportedOpsError(missing)
 
-        self._initializers = {
-            init.name: self.backend.to_device(numpy_helper.to_array(init))
-            for init in graph.initializer
-        }
+        self._initializers = {}
+        for init in graph.initializer:
+            host = numpy_helper.to_array(init)
+            self._initializers[init.name] = device = self.backend.to_device(host)
+            if host.dtype.kind in "iu" and host.size <= SMALL_INTS:
+                self._ctx.remember_constant(device, host)   # axes, shapes: read on the host
         self._input_types = {
             vi.name: value_type(vi) for vi in graph.input if vi.name not in self._initializers
         }
@@ -301,6 +306,7 @@ class Session:
         finally:
             ctx.yield_feeds = {}
             ctx.donated = ()
+            ctx.forget_made()
         if not to_host:
             return {name: values[plan.slot_of[name]] for name in plan.fetches}
         return {name: self.backend.to_host(values[plan.slot_of[name]]) for name in plan.fetches}

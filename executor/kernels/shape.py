@@ -45,12 +45,12 @@ def shape(ctx, node, x):
     end = node.attrs.get("end", rank)
     start = min(max(start + rank if start < 0 else start, 0), rank)
     end = min(max(end + rank if end < 0 else end, 0), rank)
-    return ctx.xp.asarray(np.array(dims[start:end], dtype=np.int64))
+    return ctx.device_ints(dims[start:end])
 
 
 @kernel("Size")
 def size(ctx, node, x):
-    return ctx.xp.asarray(np.array(x.size, dtype=np.int64))
+    return ctx.device_ints(x.size)
 
 
 @kernel("Reshape", since=5)

@@ -116,11 +116,9 @@ def test_nccl_like_step_reads_back_one_array_the_losses(precision):
     for _ in range(STEPS):
         reads.clear()
         record = trainer.train_step()
-        # the executor still reads small integer inputs (axes, shapes) through
-        # KernelContext.host_ints/host_scalar: its own open item (issue 16, shape arithmetic
-        # on the host), not the trainer's
-        trainer_reads = [r for r in reads if "host_ints" not in r and "host_scalar" not in r]
-        assert len(trainer_reads) == 1 and "_reduce_on_device" in trainer_reads[0], reads
+        # the executor reads the small integer inputs (axes, shapes) it needs as Python
+        # ints from their host copies, so the step's one read is the trainer's
+        assert len(reads) == 1 and "_reduce_on_device" in reads[0], reads
         assert np.isfinite(record["loss"])
     assert reducer.launched_in_backward > 0
     # each step starts a weight generation with the weights it feeds (the FP16 alternate's
@@ -192,3 +190,26 @@ def test_nccl_all_reduces_the_bucket_in_its_own_dtype():
         buffer = SimpleNamespace(dtype=np.dtype(dtype), size=5, data=SimpleNamespace(ptr=99))
         assert NcclTransport.start(fake, buffer) is event
         assert calls[-1] == (99, 99, 5, nccl_type, 0, 7)
+
+
+def test_shape_arithmetic_reads_no_device_array_back():
+    # Reshape reads its target shape, Shape's output, and ReduceSum its axes, an
+    # initializer, as Python ints: both from the host copies the executor keeps
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Reshape", ["y", "s"], ["z"]),
+             helper.make_node("ReduceSum", ["z", "axes"], ["r"], keepdims=0)]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),
+                     helper.make_tensor_value_info("y", TensorProto.FLOAT, [6])],
+        [helper.make_tensor_value_info("r", TensorProto.FLOAT, [2])],
+        [helper.make_tensor("axes", TensorProto.INT64, [1], [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    xp = RecordingXp(device_arrays=True)
+    session = Session(model, device=ArrayBackend("cuda", xp))
+    xp.recorder.reads.clear()
+    out = session.run({"x": np.zeros((2, 3), np.float32),
+                       "y": np.arange(6, dtype=np.float32)}, to_host=False)
+    assert xp.recorder.reads == []
+    np.testing.assert_array_equal(np.asarray(out["r"]), [3, 12])
