@@ -9,6 +9,7 @@ PARSE = "executor/numerics/c_parsing.py"
 POLICY = "executor/numerics/policy.py"
 MARK = "rules/mark_backward_pass.py"
 ENGINE = "graphopt/engine.py"
+REWRITE = "graphopt/rewrite.py"
 SPLIT = "rules/gather_slice_to_split.py"
 SCALE_MM = "rules/matmul_scale_to_fused_matmul.py"
 ACT = "graphopt/training/gradients/activations.py"
@@ -45,14 +46,15 @@ MUTANTS = [
       "conv=impl or (self.conv_fwd,", "conv=(self.conv_fwd,", *T_POLICY),
     # -- backward-pass marking, sticky attributes, engine rollback ---------------------------
     m("mark_ignores_implicit_subgraph_inputs", "marking_engine", MARK,
-      "for name in list(node.input) + graph._implicit.get(node_id, []):",
-      "for name in list(node.input):", *T_MARK),
+      "for name in (*graph.inputs_of(node_id), *graph.implicit_inputs(node_id)):",
+      "for name in graph.inputs_of(node_id):", *T_MARK),
     m("mark_constants_too", "marking_engine", MARK,
-      'if node.op_type == "Constant" and not node.domain:',
-      'if node.op_type == "Constant" and node.domain:', *T_MARK),
-    m("sticky_needs_another_root", "marking_engine", ENGINE,
-      "and all(graph.attr(r, attr.name) is not None for r in roots[1:])]",
-      "and any(graph.attr(r, attr.name) is not None for r in roots[1:])]", *T_ENGINE),
+      'if graph.op_key(node_id) == (STANDARD_DOMAIN, "Constant"):',
+      'if graph.op_key(node_id)[1] == "Constant" and graph.op_key(node_id)[0] != STANDARD_DOMAIN:',
+      *T_MARK),
+    m("sticky_needs_another_root", "marking_engine", REWRITE,
+      "if all(graph.attr(r, attr.name) is not None for r in roots[1:])]",
+      "if any(graph.attr(r, attr.name) is not None for r in roots[1:])]", *T_ENGINE),
     m("pass_with_one_change_not_validated", "marking_engine", ENGINE,
       "if changes and self.validate_each:", "if changes > 1 and self.validate_each:",
       *T_ENGINE, "tests/ir/test_rollback.py"),

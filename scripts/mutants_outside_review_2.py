@@ -58,8 +58,8 @@ MUTANTS = [
       "math.cos(math.pi * progress)", "math.cos(2 * math.pi * progress)", *T_SCHED),
     # -- optimizers --
     m("s2-adamw-default-decay-zero", "train", OPT,
-      "return AdamW(lr, 0.01 if weight_decay is None else weight_decay)",
-      "return AdamW(lr, 0.0 if weight_decay is None else weight_decay)", *T_OPT),
+      "    default_weight_decay = 0.01   # torch.optim.AdamW's",
+      "    default_weight_decay = 0.0   # torch.optim.AdamW's", *T_OPT),
     m("s2-adamw-bias2-beta1", "train", OPT,
       "        bias2 = 1.0 - self.beta2 ** self.steps\n        denom",
       "        bias2 = 1.0 - self.beta1 ** self.steps\n        denom", *T_OPT),

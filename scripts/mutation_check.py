@@ -95,6 +95,7 @@ GUARD = "executor/numerics/guard.py"
 PLAN = "executor/plan.py"
 MARK = "rules/mark_backward_pass.py"
 ENGINE = "graphopt/engine.py"
+REWRITE = "graphopt/rewrite.py"
 IR = "graphopt/ir.py"
 SPLIT = "rules/gather_slice_to_split.py"
 FOLD = "rules/fold_constants.py"
@@ -143,8 +144,8 @@ MUTANTS: list[Mutant] = [
       "            grad = grad + self.weight_decay * param\n        fresh",
       "            pass\n        fresh", *T_OPT),
     m("adamw_default_weight_decay", "optimizers", OPT,
-      "return AdamW(lr, 0.01 if weight_decay is None",
-      "return AdamW(lr, 0.0 if weight_decay is None",
+      "    default_weight_decay = 0.01   # torch.optim.AdamW's",
+      "    default_weight_decay = 0.0   # torch.optim.AdamW's",
       *T_OPT),
     m("skipped_step_counts_for_bias_correction", "optimizers", LOOP,
       "        if applied:\n            self.optimizer.step(self.params, grads, factor)\n",
@@ -218,21 +219,24 @@ MUTANTS: list[Mutant] = [
     m("forward_marks_not_cleared", "marking", MARK,
       "        if node_id in forward and marked:", "        if False:", *T_MARK),
     m("constants_marked", "marking", MARK,
-      'if node.op_type == "Constant" and not node.domain:', "if False:", *T_MARK),
+      'if graph.op_key(node_id) == (STANDARD_DOMAIN, "Constant"):', "if False:", *T_MARK),
     m("implicit_inputs_ignored", "marking", MARK,
-      "list(node.input) + graph._implicit.get(node_id, [])", "list(node.input)", *T_MARK),
+      "for name in (*graph.inputs_of(node_id), *graph.implicit_inputs(node_id)):",
+      "for name in graph.inputs_of(node_id):", *T_MARK),
     m("two_yields_accepted", "marking", MARK,
       "    if len(yields) + len(nested) > 1 or nested:", "    if nested:", *T_MARK),
     m("yield_itself_forward", "marking", MARK,
       "    ancestors: set[int] = set()", "    ancestors: set[int] = {yield_id}", *T_MARK),
     # ---- sticky attributes ----------------------------------------------------------------
-    m("general_path_drops_sticky", "sticky attributes", ENGINE,
+    m("general_path_drops_sticky", "sticky attributes", REWRITE,
       "            if sticky:\n                node.attribute.extend(sticky)\n            new_ids",
       "            new_ids", *T_STICKY),
-    m("sticky_from_first_root_only", "sticky attributes", ENGINE,
-      "\n            and all(graph.attr(r, attr.name) is not None for r in roots[1:])]", "]",
+    m("sticky_from_first_root_only", "sticky attributes", REWRITE,
+      "    return [attr for attr in carried\n"
+      "            if all(graph.attr(r, attr.name) is not None for r in roots[1:])]",
+      "    return carried",
       *T_STICKY),
-    m("fast_path_drops_sticky", "sticky attributes", ENGINE,
+    m("fast_path_drops_sticky", "sticky attributes", REWRITE,
       "        if sticky:\n            node.attribute.extend(sticky)\n    else:",
       "        pass\n    else:", *T_STICKY, *T_MARK),
     # ---- rules ----------------------------------------------------------------------------
@@ -280,17 +284,17 @@ MUTANTS: list[Mutant] = [
       "    axis += len(perm) if axis < 0 else 0\n", "", *T_TG),
     # ---- engine: rollback and determinism -------------------------------------------------
     m("rollback_keeps_added_initializers", "engine rollback", IR,
-      "        self._log(self.initializers.pop, tensor.name)", "        self.changed = True",
+      "        self._log(self._initializers.pop, tensor.name)", "        self.changed = True",
       *T_ENGINE),
     m("replace_input_not_journaled", "engine rollback", IR,
       "        self._log(self._set_input, node_id, index, old)", "        self.changed = True",
       *T_ENGINE),
     m("remove_initializer_not_journaled", "engine rollback", IR,
-      "        self._log(self.initializers.__setitem__, name, tensor)",
+      "        self._log(self._initializers.__setitem__, name, tensor)",
       "        self.changed = True", *T_ENGINE),
     m("rollback_in_journal_order", "engine rollback", IR,
       "for undo, *args in reversed(journal):", "for undo, *args in journal:", *T_ENGINE),
-    m("replaced_tensors_in_hash_order", "engine determinism", ENGINE,
+    m("replaced_tensors_in_hash_order", "engine determinism", REWRITE,
       "targets = {old: self._value(expr) for old, expr in mapping.items()}",
       "targets = {old: self._value(mapping[old]) for old in set(mapping)}", *T_ENGINE),
     # ---- gradients ------------------------------------------------------------------------
