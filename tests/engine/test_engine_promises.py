@@ -88,6 +88,31 @@ def test_a_fusion_is_marked_only_when_every_replaced_node_is(marked_slices, expe
     assert _attr(split[0]) == expected
 
 
+def test_a_three_way_fusion_is_not_marked_when_the_first_and_one_more_are_but_not_the_last():
+    """Three roots: the first and the second marked, the third not. With two roots "every
+    other root" and "some other root" agree; here only "every" leaves the Split unmarked."""
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,6,4] x) => (float[2,2,4] p, float[2,2,4] q, float[2,2,4] r) {
+          s0 = Constant <value = int64[1] {0}> ()
+          e0 = Constant <value = int64[1] {2}> ()
+          e1 = Constant <value = int64[1] {4}> ()
+          e2 = Constant <value = int64[1] {6}> ()
+          ax = Constant <value = int64[1] {1}> ()
+          p = Slice(x, s0, e0, ax)
+          q = Slice(x, e0, e1, ax)
+          r = Slice(x, e1, e2, ax)
+        }""")
+    for node in model.graph.node:
+        if node.op_type == "Slice" and node.output[0] in ("p", "q"):
+            _mark(node)
+    out, report = graphopt.optimize(model, rules=["gather_slice_to_split"])
+    assert report.rules["gather_slice_to_split"].rewrites == 1
+    split = [n for n in out.graph.node if n.op_type == "Split"]
+    assert len(split) == 1 and len(split[0].output) == 3
+    assert _attr(split[0]) is None
+
+
 # ---- rollback ------------------------------------------------------------------------------
 def test_rollback_removes_the_initializers_a_transaction_added():
     model = modelio.load(model_from_text(TWO_TRANSPOSES))
