@@ -187,8 +187,11 @@ class Rewriter:
         # A subgraph (If/Loop body) reading ``old`` from the outer scope is a use too, and
         # one that rewiring inputs cannot reach: keep the name alive, as for a graph output.
         if graph.is_output(old) or graph.read_by_subgraph(old):
-            self.new_nodes.append((onnx.helper.make_node(
-                "Identity", [new], [old], name=self.model.names.fresh(f"{old}/Identity")), None))
+            node = graph.new_node(node_template("Identity", STANDARD_DOMAIN, {}))
+            node.name = self.model.names.fresh(f"{old}/Identity")
+            node.input.append(new)
+            node.output.append(old)
+            self.new_nodes.append((node, ((new,), (old,))))
         else:
             graph.redirect_readers(old, new)
 
