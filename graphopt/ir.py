@@ -674,6 +674,8 @@ class Graph:
             return
         found = self.model.inferred_types()
         for name in declared:
+            if name in self._initializers:
+                continue  # a value's type is exact (a fold may have made it since inference)
             tp = found.get(name)
             old = self._types.get(name)
             if old is None:
