@@ -1047,10 +1047,7 @@ class Model:
         found = self.inferred_types()
         if not found:
             return False
-        for graph in [self.graph, *self._subgraphs.values()]:
-            for name, tp in found.items():
-                if name not in graph._types and graph.has_tensor(name):
-                    graph._types[name] = tp
+        self._merge_types(found, refine=False)
         return True
 
     def refresh_types(self) -> int:
@@ -1061,14 +1058,18 @@ class Model:
         the facts it would see when the result is optimized again."""
         self._found = None
         self._inferred = True
-        found = self.inferred_types()
+        return self._merge_types(self.inferred_types(), refine=True)
+
+    def _merge_types(self, found: dict[str, onnx.TypeProto], refine: bool) -> int:
+        """Put inferred types into every graph's table for the tensors it has: where it has
+        none, and with ``refine`` also where the inferred type knows more. Returns how many."""
         changed = 0
         for graph in [self.graph, *self._subgraphs.values()]:
             for name, tp in found.items():
-                if name not in graph._producer and name not in graph._consumers:
+                if not graph.has_tensor(name):
                     continue
                 old = graph._types.get(name)
-                if old is None or _refines(old, tp):
+                if old is None or (refine and _refines(old, tp)):
                     graph._types[name] = tp
                     changed += 1
         return changed
