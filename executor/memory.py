@@ -313,10 +313,11 @@ class MemoryGuard:
         if peak > self.available:
             raise MemoryLimitError(peak, self.available, self.device, where)
 
-    def check_run(self, plan, feeds: Mapping[str, object]) -> None:
-        """At run() start: bind dims from the feeds and refuse before any node runs."""
+    def check_run(self, plan, feeds: Mapping[str, object]) -> int | None:
+        """At run() start: bind dims from the feeds and refuse before any node runs.
+        Returns the planned peak bytes (None when the check is off)."""
         if self.available is None:
-            return
+            return None
         shapes = {n: tuple(int(d) for d in getattr(v, "shape", ())) for n, v in feeds.items()}
         key = tuple(sorted(shapes.items()))
         verdict = self._verdicts.get((id(plan), key))
@@ -324,7 +325,7 @@ class MemoryGuard:
             if verdict > self.available:
                 raise MemoryLimitError(verdict, self.available, self.device,
                                        "for these feed shapes, before running")
-            return
+            return verdict
         sizes = self._cache.get(key)
         if sizes is None:
             symbols: dict[str, int] = {}
@@ -345,3 +346,4 @@ class MemoryGuard:
         if peak > self.available:
             raise MemoryLimitError(peak, self.available, self.device,
                                    "for these feed shapes, before running")
+        return peak

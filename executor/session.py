@@ -17,6 +17,7 @@ from graphopt.vocabulary import is_yield_op, type_dims
 from .backend import select_backend
 from .context import KernelContext
 from .errors import ExecutorError, FeedError, KernelError, UnsupportedOpsError
+from .host_memory import keep_freed
 from .memory import MemoryGuard
 from .plan import Plan, PlannedNode, build_plan, decode_attributes, topological_order
 from .registry import lookup, normalize_domain
@@ -263,7 +264,11 @@ class Session:
         """
         plan = self.plan(output_names)
         checked = self._check_feeds(feeds, plan)
-        self._memory.check_run(plan, checked)  # refuse what cannot fit before any node runs
+        # refuse what cannot fit before any node runs
+        peak = self._memory.check_run(plan, checked)
+        donate = self.backend.xp is np  # CuPy arrays: reference counts do not tell ownership
+        if donate:  # the next run needs the memory this one frees: keep it (host_memory.py)
+            keep_freed(None if peak is None else peak - self._memory.resident)
         values: list[Any] = [None] * plan.num_slots
         for name, slot in plan.slot_of.items():
             if plan.last_use[name] >= 0 or name in plan.fetches:
@@ -275,7 +280,6 @@ class Session:
         ctx.yield_feeds = {n: v for n, v in checked.items() if n in self.yield_output_names}
         numerics = self.numerics
         names_by_slot = plan.names_by_slot if observer is not None else None
-        donate = self.backend.xp is np  # CuPy arrays: reference counts do not tell ownership
         try:
             for index, step in enumerate(plan.steps):
                 args = [values[s] if s >= 0 else None for s in step.in_slots]
