@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+
 from .. import gemm
 from ..registry import MS_DOMAIN, kernel
 from ._util import compute_dtype
@@ -43,11 +47,31 @@ def fused_matmul_operand(x, trans_batch: int, trans: int):
 def fused_matmul(ctx, node, a, b):
     a = fused_matmul_operand(a, node.attr("transBatchA"), node.attr("transA"))
     b = fused_matmul_operand(b, node.attr("transBatchB"), node.attr("transB"))
-    y = gemm.matmul(ctx, a, b)
     alpha = node.attr("alpha")
+    if alpha != 1.0 and a.dtype == b.dtype and a.dtype in _SCALED_INPUT_DTYPES:
+        # alpha on the smaller operand when it is smaller than the product: attention's
+        # 1/sqrt(d) then costs a pass over K (B*d*S) instead of one over the scores
+        # (B*H*S*S). Exact for a power-of-two alpha, else within an ulp of alpha*(a@b).
+        # Not for float16: scaling an FP16 input can make denormals the product never had.
+        smaller = a if a.size <= b.size else b
+        if smaller.size < _product_size(a, b):
+            scaled = smaller * smaller.dtype.type(alpha)
+            a, b = (scaled, b) if smaller is a else (a, scaled)
+            alpha = 1.0
+    y = gemm.matmul(ctx, a, b)
     if alpha != 1.0:
         y *= y.dtype.type(alpha)
     return y
+
+
+_SCALED_INPUT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _product_size(a, b) -> int:
+    if a.ndim < 2 or b.ndim < 2:
+        return 0  # a vector product: as small as its operands, scale the result
+    batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return math.prod(batch) * a.shape[-2] * b.shape[-1]
 
 
 @kernel("Einsum", since=12)

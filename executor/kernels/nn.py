@@ -2,30 +2,82 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..registry import kernel
 from ._threads import parts_for, run_split
 from ._util import compute_dtype, norm_axis
 
+# rows per block: ~16K elements (64 KiB of float32), so that a block's five passes (max,
+# subtract, exp, sum, scale) run in L1/L2 instead of streaming the tensor five times
+_SOFTMAX_BLOCK = 1 << 14
+
 
 def softmax_over(xp, x, axes, out=None):
-    """Softmax of x over ``axes`` in x's compute dtype; one temporary (none when ``out``, an
-    array of x's shape and dtype that may be x itself, is given), updated in place; large
-    NumPy inputs are done in row blocks on several threads."""
+    """Softmax of x over ``axes`` in x's compute dtype; ``out``, when given, is an array of
+    x's shape and dtype that may be x itself. NumPy inputs whose softmax axes are the
+    innermost ones in memory are done row block by row block (on several threads when
+    large), in x's own memory layout (attention scores are often a transposed view)."""
     ct = compute_dtype(x.dtype)
-    if ct == x.dtype and xp is np and 0 not in axes:
-        parts = parts_for(x.size, x.shape[0])
-        if parts > 1:
-            if out is None:
-                out = np.empty_like(x)
-            run_split(lambda a, b: _softmax_into(xp, x[a:b], axes, out[a:b]), x.shape[0], parts)
-            return out
+    if ct == x.dtype and xp is np and x.size and _trailing(axes, x.ndim):
+        rows = _as_rows(x, axes)
+        if rows is None:  # not dense in any axis order (a slice with steps): one copy
+            x = np.ascontiguousarray(x)
+            rows = _as_rows(x, axes)
+        return _softmax_rows(x, rows, out)
     data = x if ct == x.dtype else x.astype(ct)
     if out is None or ct != x.dtype:
         out = xp.empty_like(data)
     _softmax_into(xp, data, axes, out)
     return out if ct == x.dtype else out.astype(x.dtype)
+
+
+def _trailing(axes, ndim) -> bool:
+    return tuple(axes) == tuple(range(ndim - len(axes), ndim))
+
+
+def _as_rows(x, axes):
+    """(order, x2d): x's axes in memory order (the softmax axes, trailing, last) and x as a
+    2-D view of (rows, softmax elements), or None when x's memory is not dense in some axis
+    order with the softmax axes innermost."""
+    last = tuple(range(x.ndim - len(axes), x.ndim))
+    outer = sorted(range(x.ndim - len(axes)), key=lambda a: -x.strides[a])
+    order = outer + list(last)
+    dense = x.transpose(order)
+    if not dense.flags.c_contiguous:
+        return None
+    return order, dense.reshape(-1, math.prod(x.shape[a] for a in last))
+
+
+def _softmax_rows(x, rows, out):
+    order, x2 = rows
+    inverse = np.argsort(order)
+    if out is None or out.strides != x.strides:
+        out = np.empty(x2.shape, x.dtype)
+        result = out.reshape([x.shape[a] for a in order]).transpose(inverse)
+    else:  # x itself (donated), or a buffer of x's layout
+        result = out
+    o2 = out.reshape(x2.shape) if out.ndim == 2 else out.transpose(order).reshape(x2.shape)
+    count, width = x2.shape
+    per_block = max(1, _SOFTMAX_BLOCK // width)
+    blocks = -(-count // per_block)
+
+    def work(first, last):
+        for b in range(first, last):
+            lo, hi = b * per_block, min((b + 1) * per_block, count)
+            src, dst = x2[lo:hi], o2[lo:hi]
+            np.subtract(src, src.max(axis=1, keepdims=True), out=dst)
+            np.exp(dst, out=dst)
+            # einsum's row sums: 2-3x faster than a reduction along short rows, and, unlike
+            # a GEMV, each row's bits independent of the rows beside it
+            total = np.einsum("ij->i", dst)
+            np.reciprocal(total, out=total)
+            dst *= total[:, None]
+
+    run_split(work, blocks, parts_for(x.size, blocks))
+    return result
 
 
 def _softmax_into(xp, x, axes, out):

@@ -59,3 +59,33 @@ def test_fp16_only_numerics_sees_every_fp16_product_and_no_other():
     gemm.matmul(ctx, x, x.T)
     gemm.matmul(ctx, x.astype(np.float16), x.T.astype(np.float16))
     assert numerics.seen == [np.float16]
+
+
+def _fused_matmul(a, b, alpha):
+    from graphopt.executor.kernels.linalg import fused_matmul
+    from graphopt.executor.plan import PlannedNode
+
+    node = PlannedNode(index=0, name="f", op_type="FusedMatMul", domain="com.microsoft",
+                       opset=1, inputs=("a", "b"), outputs=("y",), attrs={"alpha": alpha})
+    return fused_matmul(KernelContext(select_backend("cpu"), None, False, 0), node, a, b)
+
+
+@pytest.mark.parametrize("alpha", [0.125, 0.1767767])
+def test_fused_matmul_alpha_on_the_smaller_operand(alpha):
+    # attention: (B, H, S, D) x (B, 1, D, S), alpha = 1/sqrt(D) applied to K, not the scores
+    qkv = _qkv()
+    q = qkv[:, :, :H].transpose(0, 2, 1, 3)
+    k = qkv[:, :, H].transpose(0, 2, 1)[:, None]
+    got = _fused_matmul(q, k, alpha)
+    expected = alpha * np.matmul(q.astype(np.float64), k.astype(np.float64))
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    if alpha == 0.125:  # a power of two scales exactly either way
+        np.testing.assert_array_equal(got, np.matmul(q, k) * np.float32(alpha))
+    vector = _fused_matmul(np.float32([1.0, 2.0]), np.float32([3.0, 4.0]), alpha)
+    np.testing.assert_allclose(vector, alpha * 11.0, rtol=1e-6)
+
+
+def test_fused_matmul_alpha_does_not_scale_an_fp16_input():
+    # 1e-4 * 1e-3 is an FP16 subnormal: scaling the input first would lose 19% of the product
+    a, b = np.float16([[1e-4], [1e-4]]), np.float16([[1000.0, 1000.0]])
+    np.testing.assert_allclose(_fused_matmul(a, b, 1e-3).astype(np.float64), 1e-4, rtol=2e-3)

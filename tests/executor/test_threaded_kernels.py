@@ -24,14 +24,30 @@ def test_large_arrays_are_split():
     assert _threads.parts_for(1000, 10) == 1
 
 
-def test_softmax_blocks_equal_one_pass():
+def _softmax64(x, axis):
+    e = np.exp(x.astype(np.float64) - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def test_softmax_blocks_equal_each_row_alone():
     x = _x().reshape(4, 16, COLS)[:, ::-1]  # a strided view
-    expected = np.exp(x - x.max(axis=-1, keepdims=True))
-    expected /= expected.sum(axis=-1, keepdims=True)
-    np.testing.assert_array_equal(softmax_over(np, x, (2,)), expected)
+    whole = softmax_over(np, x, (2,))
+    np.testing.assert_allclose(whole, _softmax64(x, 2), rtol=2e-6, atol=1e-12)
+    for i in range(4):  # a row's bits do not depend on the blocks or threads it fell in
+        for j in range(16):
+            np.testing.assert_array_equal(whole[i, j], softmax_over(np, x[i, j], (0,)))
     donated = x.copy()
     assert softmax_over(np, donated, (2,), out=donated) is donated
-    np.testing.assert_array_equal(donated, expected)
+    np.testing.assert_array_equal(donated, whole)
+
+
+def test_softmax_keeps_a_transposed_layout():
+    # attention scores laid out (batch, query, head, key) and read as (batch, head, query, key)
+    scores = _x((2, 64, 8, 512)).transpose(0, 2, 1, 3)
+    probs = softmax_over(np, scores, (3,))
+    assert probs.strides == scores.strides  # no copy into another layout
+    np.testing.assert_array_equal(probs, softmax_over(np, np.ascontiguousarray(scores), (3,)))
+    np.testing.assert_allclose(probs, _softmax64(scores, 3), rtol=2e-6, atol=1e-12)
 
 
 def test_erf_blocks_equal_one_pass():
