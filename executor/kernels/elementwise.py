@@ -169,19 +169,62 @@ _FLOAT_UNARY = {
 }
 
 
-def _unary_kernel(fn, float_only):
+# ops that are one NumPy ufunc pass (or a few in place) on float32/float64: written into a
+# donated input, and large ones split in blocks over the cores (the others run as above)
+_UFUNC_PASSES = {
+    "Abs": (np.abs,), "Neg": (np.negative,), "Sqrt": (np.sqrt,), "Exp": (np.exp,),
+    "Log": (np.log,), "Reciprocal": (np.reciprocal,), "Tanh": (np.tanh,), "Sin": (np.sin,),
+    "Cos": (np.cos,),
+    # 1 / (1 + exp(-x)), the same operations in the same order as the formula above
+    "Sigmoid": (np.negative, np.exp, lambda x, out: np.add(x, 1.0, out=out), np.reciprocal),
+}
+_PASS_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _in_passes(ctx, passes, x):
+    """``passes`` applied in turn (the first reads x, the others work in place), into a
+    donated x when there is one; large contiguous arrays in blocks on several threads."""
+    out = ctx.out_for(x.shape, x.dtype, x) if ctx.donated else None
+    parts = parts_for(x.size, x.size) if x.flags.c_contiguous else 1
+    if parts == 1:
+        out = passes[0](x, out=out)
+        for ufunc in passes[1:]:
+            ufunc(out, out=out)
+        return out
+    if out is None:
+        out = np.empty_like(x)
+    flat, flat_out = x.reshape(-1), out.reshape(-1)
+    block = 1 << 15  # elements: the passes of a block run in cache
+
+    def work(first, last):
+        for start in range(first * block, min(last * block, flat.size), block):
+            piece = flat_out[start:start + block]
+            passes[0](flat[start:start + block], out=piece)
+            for ufunc in passes[1:]:
+                ufunc(piece, out=piece)
+
+    blocks = -(-flat.size // block)
+    run_split(work, blocks, min(parts, blocks))
+    return out
+
+
+def _unary_kernel(fn, float_only, passes=None):
     compute = in_compute_dtype(fn) if float_only else fn
 
     def run(ctx, node, x):
+        if passes is not None and ctx.xp is np and x.dtype in _PASS_DTYPES:
+            return _in_passes(ctx, passes, x)
         return _same_dtype(ctx.xp, compute(ctx.xp, x), x.dtype)
 
     return run
 
 
 for _name, _fn in _UNARY.items():
-    kernel(_name)(_unary_kernel(_fn, False))
+    kernel(_name, inplace=_name in _UFUNC_PASSES)(
+        _unary_kernel(_fn, False, _UFUNC_PASSES.get(_name)))
 for _name, _fn in _FLOAT_UNARY.items():
-    kernel(_name)(_unary_kernel(_fn, _name != "Relu"))
+    kernel(_name, inplace=_name in _UFUNC_PASSES)(
+        _unary_kernel(_fn, _name != "Relu", _UFUNC_PASSES.get(_name)))
 
 
 # ---- parameterised activations -------------------------------------------------------

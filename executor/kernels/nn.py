@@ -17,21 +17,26 @@ _SOFTMAX_BLOCK = 1 << 14
 
 def softmax_over(xp, x, axes, out=None):
     """Softmax of x over ``axes`` in x's compute dtype; ``out``, when given, is an array of
-    x's shape and dtype that may be x itself. NumPy inputs whose softmax axes are the
-    innermost ones in memory are done row block by row block (on several threads when
-    large), in x's own memory layout (attention scores are often a transposed view)."""
+    x's shape and dtype that may be x itself. Trailing softmax axes (the usual case) are
+    done as rows in x's own memory layout (attention scores are often a transposed view):
+    on NumPy row block by row block, on several threads when large; the same operations in
+    one go on a GPU (so both give the same numbers)."""
     ct = compute_dtype(x.dtype)
-    if ct == x.dtype and xp is np and x.size and _trailing(axes, x.ndim):
-        rows = _as_rows(x, axes)
-        if rows is None:  # not dense in any axis order (a slice with steps): one copy
-            x = np.ascontiguousarray(x)
-            rows = _as_rows(x, axes)
-        return _softmax_rows(x, rows, out)
     data = x if ct == x.dtype else x.astype(ct)
-    if out is None or ct != x.dtype:
-        out = xp.empty_like(data)
-    _softmax_into(xp, data, axes, out)
-    return out if ct == x.dtype else out.astype(x.dtype)
+    if ct != x.dtype:
+        out = None
+    if data.size and _trailing(axes, data.ndim):
+        rows = _as_rows(data, axes)
+        if rows is None:  # not dense in any axis order (a slice with steps): one copy
+            data = xp.ascontiguousarray(data)
+            rows = _as_rows(data, axes)
+        result = _softmax_rows(xp, data, rows, out)
+    else:
+        if out is None:
+            out = xp.empty_like(data)
+        _softmax_into(xp, data, axes, out)
+        result = out
+    return result if ct == x.dtype else result.astype(x.dtype)
 
 
 def _trailing(axes, ndim) -> bool:
@@ -51,30 +56,36 @@ def _as_rows(x, axes):
     return order, dense.reshape(-1, math.prod(x.shape[a] for a in last))
 
 
-def _softmax_rows(x, rows, out):
+def _softmax_rows(xp, x, rows, out):
     order, x2 = rows
-    inverse = np.argsort(order)
     if out is None or out.strides != x.strides:
-        out = np.empty(x2.shape, x.dtype)
-        result = out.reshape([x.shape[a] for a in order]).transpose(inverse)
+        out = xp.empty(x2.shape, x.dtype)
+        result = out.reshape([x.shape[a] for a in order]).transpose(
+            [order.index(a) for a in range(x.ndim)])
     else:  # x itself (donated), or a buffer of x's layout
         result = out
     o2 = out.reshape(x2.shape) if out.ndim == 2 else out.transpose(order).reshape(x2.shape)
     count, width = x2.shape
+
+    def rows_of(lo, hi):
+        src, dst = x2[lo:hi], o2[lo:hi]
+        xp.subtract(src, src.max(axis=1, keepdims=True), out=dst)
+        xp.exp(dst, out=dst)
+        # einsum's row sums: 2-3x faster than a reduction along short rows, and, unlike a
+        # GEMV, each row's bits independent of the rows beside it
+        total = xp.einsum("ij->i", dst)
+        xp.reciprocal(total, out=total)
+        dst *= total[:, None]
+
+    if xp is not np:
+        rows_of(0, count)
+        return result
     per_block = max(1, _SOFTMAX_BLOCK // width)
     blocks = -(-count // per_block)
 
     def work(first, last):
         for b in range(first, last):
-            lo, hi = b * per_block, min((b + 1) * per_block, count)
-            src, dst = x2[lo:hi], o2[lo:hi]
-            np.subtract(src, src.max(axis=1, keepdims=True), out=dst)
-            np.exp(dst, out=dst)
-            # einsum's row sums: 2-3x faster than a reduction along short rows, and, unlike
-            # a GEMV, each row's bits independent of the rows beside it
-            total = np.einsum("ij->i", dst)
-            np.reciprocal(total, out=total)
-            dst *= total[:, None]
+            rows_of(b * per_block, min((b + 1) * per_block, count))
 
     run_split(work, blocks, parts_for(x.size, blocks))
     return result

@@ -122,3 +122,27 @@ def test_split_holds_nothing_once_it_returns():
         release.set()
         for blocker in blockers:
             blocker.result()
+
+
+@pytest.mark.parametrize("op_type", ["Exp", "Tanh", "Sigmoid", "Neg", "Sqrt"])
+def test_unary_blocks_equal_one_pass(op_type):
+    from graphopt.executor.plan import PlannedNode
+    from graphopt.executor.registry import lookup
+
+    formula = {"Exp": np.exp, "Tanh": np.tanh, "Neg": np.negative,
+               "Sqrt": lambda v: np.sqrt(np.abs(v)),
+               "Sigmoid": lambda v: 1.0 / (1.0 + np.exp(-v))}[op_type]
+    spec = lookup("", op_type, 17)
+    assert spec.inplace
+    node = PlannedNode(index=0, name="u", op_type=op_type, domain="", opset=17,
+                       inputs=("x",), outputs=("y",), attrs={})
+    ctx = KernelContext(select_backend("cpu"), None, False, 0)
+    x = _x()
+    if op_type == "Sqrt":
+        x = np.abs(x)
+    expected = formula(x)
+    np.testing.assert_array_equal(spec.fn(ctx, node, x), expected)
+    donated = x.copy()
+    ctx.donated = (donated,)
+    assert spec.fn(ctx, node, donated) is donated
+    np.testing.assert_array_equal(donated, expected)
