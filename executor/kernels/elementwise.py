@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -16,12 +17,18 @@ def _same_dtype(xp, result, dtype):
 
 
 # ---- binary arithmetic ---------------------------------------------------------------
+@functools.lru_cache(maxsize=4096)
+def _broadcast_shape(a: tuple, b: tuple) -> tuple:
+    # a graph meets the same few shape pairs at every step; numpy's own takes microseconds
+    return np.broadcast_shapes(a, b)
+
+
 def _binary(ctx, ufunc, a, b):
     """``ufunc(a, b)``, written into a donated input of the result's shape and dtype; large
     NumPy results are computed in row blocks on several threads."""
     if a.dtype != b.dtype:
         return ufunc(a, b)
-    shape = a.shape if a.shape == b.shape else np.broadcast_shapes(a.shape, b.shape)
+    shape = a.shape if a.shape == b.shape else _broadcast_shape(a.shape, b.shape)
     out = ctx.out_for(shape, a.dtype, a, b) if ctx.donated else None
     rows = shape[0] if shape else 1
     parts = parts_for(math.prod(shape), rows) if ctx.xp is np else 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..registry import kernel
@@ -38,7 +40,7 @@ def gather_nd(ctx, node, data, indices):
                        indices + xp.asarray(data.shape[b:b + k], dtype=indices.dtype), indices)
     check_bounds(ctx, indices, list(data.shape[b:b + k]), "GatherND")
     batch_shape = data.shape[:b]
-    n_batch = int(np.prod(batch_shape, dtype=np.int64))
+    n_batch = math.prod(batch_shape)
     flat_data = data.reshape((n_batch,) + data.shape[b:])
     flat_idx = indices.reshape((n_batch, -1, k))
     out = []
@@ -64,7 +66,7 @@ def scatter_nd(ctx, node, data, indices, updates):
         out[cols] = upd
     else:
         rows = linear_index(xp, cols, data.shape[:k])
-        out2d = out.reshape(int(np.prod(data.shape[:k], dtype=np.int64)), -1)
+        out2d = out.reshape(math.prod(data.shape[:k]), -1)
         scatter_rows(ctx, out2d, rows, upd.reshape(idx.shape[0], -1), reduction)
     return out
 
