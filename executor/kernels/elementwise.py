@@ -99,7 +99,21 @@ def _fold(fn):
     return run
 
 
-kernel("Sum")(_fold(lambda xp, a, b: xp.add(a, b)))
+@kernel("Sum", inplace=True)
+def sum_(ctx, node, *xs):
+    # gradient accumulation: Add's threaded, in-place path for the first pair, then the
+    # rest added in the same order into that (fresh or donated) result
+    if len(xs) == 1:
+        return xs[0].copy()
+    result = _binary(ctx, ctx.xp.add, xs[0], xs[1])
+    for x in xs[2:]:
+        if x.dtype == result.dtype and _broadcast_shape(result.shape, x.shape) == result.shape:
+            ctx.xp.add(result, x, out=result)
+        else:
+            result = ctx.xp.add(result, x)
+    return result
+
+
 kernel("Max")(_fold(lambda xp, a, b: xp.maximum(a, b)))
 kernel("Min")(_fold(lambda xp, a, b: xp.minimum(a, b)))
 

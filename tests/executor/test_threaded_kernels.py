@@ -146,3 +146,19 @@ def test_unary_blocks_equal_one_pass(op_type):
     ctx.donated = (donated,)
     assert spec.fn(ctx, node, donated) is donated
     np.testing.assert_array_equal(donated, expected)
+
+
+def test_sum_blocks_equal_adds_in_order():
+    from graphopt.executor.kernels.elementwise import sum_
+    from graphopt.executor.plan import PlannedNode
+
+    node = PlannedNode(index=0, name="s", op_type="Sum", domain="", opset=13,
+                       inputs=("a", "b", "c"), outputs=("y",), attrs={})
+    ctx = KernelContext(select_backend("cpu"), None, False, 0)
+    a, b, c = _x(), _x(seed=1), _x((COLS,), seed=2)
+    expected = (a + b) + c
+    np.testing.assert_array_equal(sum_(ctx, node, a, b, c), expected)
+    donated = b.copy()
+    ctx.donated = (donated,)
+    assert sum_(ctx, node, a, donated, c) is donated
+    np.testing.assert_array_equal(donated, expected)
