@@ -55,8 +55,8 @@ def fit(deg_p=DEG_P, deg_q=DEG_Q, clamp=CLAMP, samples=4000, iterations=60):
 
 
 def evaluate_float32(x, a, b, clamp=CLAMP, clip=True):
-    """The executor's evaluation order, in float32 (a, b: float32 coefficient tuples); the
-    result is clipped to [-1, 1] unless ``clip`` is false."""
+    """erf as the executor computes it, bit for bit (the test checks it), in float32 (a, b:
+    float32 coefficient tuples); the result is clipped to [-1, 1] unless ``clip`` is false."""
     x = np.asarray(x, np.float32)
     u = np.clip(x, -np.float32(clamp), np.float32(clamp))
     z = u * u

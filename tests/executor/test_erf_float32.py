@@ -99,6 +99,10 @@ def test_the_fit_script_prints_these_coefficients():
     np.testing.assert_allclose(np.float32(a), _ERF32_P, rtol=1e-6)
     np.testing.assert_allclose(np.float32(b), _ERF32_Q, rtol=1e-6)
     assert script.CLAMP == _ERF32_CLAMP
+    # its float32 evaluation, whose error it prints, is the executor's, bit for bit
+    x = SWEEP[np.abs(SWEEP) <= 1e30]
+    np.testing.assert_array_equal(script.evaluate_float32(x, _ERF32_P, _ERF32_Q).view(np.uint32),
+                                  erf(np, x).view(np.uint32))
     # beyond the clamp the unclipped x * P / Q must be >= 1 for the clip to give exactly 1
     assert script.evaluate_float32(np.float32(_ERF32_CLAMP), _ERF32_P, _ERF32_Q, clip=False) >= 1
 
