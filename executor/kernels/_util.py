@@ -160,7 +160,8 @@ _exact_erf_ufunc = np.frompyfunc(math.erf, 1, 1)
 
 
 def _exact_erf(x):
-    return _exact_erf_ufunc(x).astype(np.float64)
+    # np.asarray: on a 0-d array the object ufunc returns a bare Python float
+    return np.asarray(_exact_erf_ufunc(x)).astype(np.float64)
 
 
 def erf(xp, x):

@@ -129,6 +129,7 @@ def test_erf_float32_is_odd_bit_for_bit():
 def test_float64_keeps_the_exact_erf_and_float16_rounds_the_float32_one():
     x = np.linspace(-5, 5, 2001)
     np.testing.assert_array_equal(erf(np, x), _erf64(x))
+    assert erf(np, np.float64(0.5)) == math.erf(0.5)  # a 0-d array too
     h = x.astype(np.float16)
     got = erf(np, h)
     assert got.dtype == np.float16
