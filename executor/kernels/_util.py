@@ -28,17 +28,18 @@ def compute_dtype(dtype) -> np.dtype:
 
 # float32 erf (issue 15): erf(x) ~= x * P(x^2) / Q(x^2) on |x| <= _ERF32_CLAMP, Q monic,
 # coefficients lowest degree first, fitted by scripts/fit_erf32.py (which prints these); beyond
-# the clamp erf(x) rounds to +-1 in float32. The fit is within 3.4e-8 (relative); evaluated in
-# float32 the largest error against math.erf is 4.0e-7 absolute and, for |erf(x)| >= 2**-126,
-# 4.0e-7 relative (the script's sample; tests/executor/test_erf_float32.py pins its sweep's
-# 3.7e-7): up to ~7 float32 ulps near 1, from the rounding of ~20 float32 operations. Unlike
-# Abramowitz & Stegun 7.1.26 (PyTorch's CPU erf: 1.5e-7 absolute, so a poor relative error
-# for tiny |x|), tiny and subnormal x keep their relative accuracy, with no exp.
+# the clamp erf(x) rounds to +-1 in float32 (erfc(3.92) = 2.96e-8 < 2**-25). The fit is within
+# 3.4e-8 (relative); evaluated in float32 the largest error against math.erf is 4.0e-7
+# absolute and, for |erf(x)| >= 2**-126, 4.0e-7 relative (the script's sample;
+# tests/executor/test_erf_float32.py pins its sweep's 3.7e-7): up to ~7 float32 ulps near 1,
+# from the rounding of ~20 float32 operations. Unlike Abramowitz & Stegun 7.1.26 (PyTorch's
+# CPU erf: 1.5e-7 absolute, so a poor relative error for tiny |x|), tiny and subnormal x keep
+# their relative accuracy, with no exp.
 _ERF32_P = (29651.078, 5020.65, 1388.3456, 99.68774, 7.5007024, 0.05370131)
 _ERF32_Q = (26277.586, 13208.611, 3005.5947, 394.82077, 30.724627, 1.0)
 _ERF32_CLAMP = 3.92
 # elements per block: Horner's rule, most of the passes, touches z and the two rows of pq only
-# (768 KiB, within a 1 MiB L2); NumPy's cost per call (~1 us, 16 calls a block) is what
+# (768 KiB, within a 1 MiB L2); NumPy's cost per call (~1 us, 15 calls a block) is what
 # smaller blocks pay: 32K-element blocks took 15-20% longer at 128K elements
 _ERF32_CHUNK = 1 << 16
 
@@ -70,8 +71,8 @@ def _rational_odd(x, out, z, pq, coeffs, z_max):
     """x * P(z) / Q(z), z = min(x^2, clamp^2), into ``out``; ``z`` and ``pq`` (shape (2, n)):
     float32 scratch; ``z_max``: clamp^2 in a float32 array at least n long (NumPy's minimum
     against a scalar runs 3x slower than against an array). Multiplying by x, not by x
-    clipped, saves a pass: beyond the clamp the result only grows past +-1 (erf) or +-0.5
-    (GELU), which the caller's clip then gives; NaN stays NaN."""
+    clipped, saves a clip of x: beyond the clamp the result only grows past +-1 (erf) or
+    +-0.5 (GELU), which the caller's clip then gives; NaN stays NaN."""
     with np.errstate(over="ignore"):  # |x| > 1.8e19: x^2 = inf, and min() bounds it
         np.multiply(x, x, out=z, dtype=np.float32)
     bound = z_max[:z.size] if z.size <= z_max.size else np.full(z.size, z_max[0])  # any block
