@@ -8,12 +8,17 @@ minimax solution, in float64 with NumPy. Prints the coefficients, rounded to flo
 tuples that executor/kernels/_util.py holds, and the error of the float32 evaluation that the
 executor runs (the fit's own error is far below float32 rounding).
 
-    python scripts/fit_erf32.py
+    python scripts/fit_erf32.py [--exhaustive]
+
+--exhaustive also measures the error on every float32 in [0, CLAMP] (a billion values, about a
+minute; erf is odd bit for bit and +-1 beyond, so that is every float32), against SciPy's
+float64 erf (SciPy comes with the test extra's scikit-learn).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 
@@ -71,6 +76,29 @@ def evaluate_float32(x, a, b, clamp=CLAMP, clip=True):
     return np.clip(r, -1.0, 1.0) if clip else r
 
 
+def exhaustive(a, b, clamp=CLAMP, step=1 << 24):
+    """(max abs error, its x, max relative error where erf >= 2**-126, its x, max error in
+    2**-149 steps where erf < 2**-126) over every float32 in [0, clamp]."""
+    from scipy.special import erf as erf64  # noqa: PLC0415 - only for --exhaustive
+
+    end = int(np.float32(clamp).view(np.uint32)) + 1
+    worst = [0.0, 0.0, 0.0, 0.0, 0.0]
+    for start in range(0, end, step):
+        x = np.arange(start, min(start + step, end), dtype=np.uint32).view(np.float32)
+        ref = erf64(x.astype(np.float64))
+        err = np.abs(evaluate_float32(x, a, b).astype(np.float64) - ref)
+        i = int(np.argmax(err))
+        if err[i] > worst[0]:
+            worst[:2] = float(err[i]), float(x[i])
+        normal = ref >= 2.0 ** -126
+        rel = err[normal] / ref[normal]
+        if rel.size and rel.max() > worst[2]:
+            worst[2:4] = float(rel.max()), float(x[normal][int(np.argmax(rel))])
+        if not normal.all():
+            worst[4] = max(worst[4], float(err[~normal].max()) / 2.0 ** -149)
+    return tuple(worst)
+
+
 def main():
     a, b, error = fit()
     a32 = tuple(float(np.float32(v)) for v in a)
@@ -89,6 +117,11 @@ def main():
     print(f"float32 evaluation: max abs error {err.max():.3g}, "
           f"max rel error {(err[x > 0] / ref[x > 0]).max():.3g}; unclipped value at the clamp "
           f"{at_clamp!r} (>= 1 makes erf(+-inf) exactly +-1)")
+    if "--exhaustive" in sys.argv[1:]:
+        abs_err, abs_x, rel_err, rel_x, subnormal = exhaustive(a32, b32)
+        print(f"every float32 in [0, {CLAMP}]: max abs error {abs_err:.4g} at x = {abs_x!r}, "
+              f"max rel error {rel_err:.4g} at x = {rel_x!r}, subnormal results within "
+              f"{subnormal:.2f} x 2**-149")
 
 
 if __name__ == "__main__":

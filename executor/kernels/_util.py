@@ -29,12 +29,12 @@ def compute_dtype(dtype) -> np.dtype:
 # float32 erf (issue 15): erf(x) ~= x * P(x^2) / Q(x^2) on |x| <= _ERF32_CLAMP, Q monic,
 # coefficients lowest degree first, fitted by scripts/fit_erf32.py (which prints these); beyond
 # the clamp erf(x) rounds to +-1 in float32 (erfc(3.92) = 2.96e-8 < 2**-25). The fit is within
-# 3.4e-8 (relative); evaluated in float32 the largest error against math.erf is 4.0e-7
-# absolute and, for |erf(x)| >= 2**-126, 4.0e-7 relative (the script's sample;
-# tests/executor/test_erf_float32.py pins its sweep's 3.7e-7): up to ~7 float32 ulps near 1,
-# from the rounding of ~20 float32 operations. Unlike Abramowitz & Stegun 7.1.26 (PyTorch's
-# CPU erf: 1.5e-7 absolute, so a poor relative error for tiny |x|), tiny and subnormal x keep
-# their relative accuracy, with no exp.
+# 3.4e-8 (relative); evaluated in float32, over every float32 (scripts/fit_erf32.py
+# --exhaustive), the largest error is 4.36e-7 absolute and, for |erf(x)| >= 2**-126, 4.36e-7
+# relative (at x = 3.2803822; tests/executor/test_erf_float32.py pins it), subnormal results
+# within 1 step: up to ~7 float32 ulps near 1, from the rounding of ~20 float32 operations.
+# Unlike Abramowitz & Stegun 7.1.26 (PyTorch's CPU erf: 1.5e-7 absolute, so a poor relative
+# error for tiny |x|), tiny and subnormal x keep their relative accuracy, with no exp.
 _ERF32_P = (29651.078, 5020.65, 1388.3456, 99.68774, 7.5007024, 0.05370131)
 _ERF32_Q = (26277.586, 13208.611, 3005.5947, 394.82077, 30.724627, 1.0)
 _ERF32_CLAMP = 3.92

@@ -25,9 +25,11 @@ from graphopt.executor.kernels._util import (
 
 ROOT = Path(__file__).resolve().parents[2]
 # measured maxima (see _util.py), rounded up
-ERF_ABS = 3.8e-7           # |erf32(x) - erf(x)|, every x (measured 3.72e-7)
-ERF_REL = 3.8e-7           # |erf32(x) - erf(x)| / |erf(x)|, |erf(x)| >= 2**-126 (3.72e-7)
-SUBNORMAL_ULPS = 1         # below: in steps of 2**-149 (0.94)
+ERF_ABS = 4.4e-7           # |erf32(x) - erf(x)|, every x (4.356e-7 at WORST_X)
+ERF_REL = 4.4e-7           # |erf32(x) - erf(x)| / |erf(x)|, |erf(x)| >= 2**-126 (likewise)
+SUBNORMAL_ULPS = 1         # below: in steps of 2**-149 (0.95)
+# the worst float32 of all (scripts/fit_erf32.py --exhaustive), in the sweep
+WORST_X = 3.2803822
 GELU_REL = 2.8e-7          # |gelu32(x) - gelu(x)| / |x| (2.72e-7)
 GELU_GRAD_ABS = 2.8e-7     # |gelu'32(x) - gelu'(x)|, gelu' in [-0.17, 1.13] (2.76e-7)
 TINY = 2.0 ** -126
@@ -45,7 +47,7 @@ def _sweep():
     rng = np.random.default_rng(15)
     bits = rng.integers(0, 2**32, 400_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
     clamp = np.float32(_ERF32_CLAMP)
-    edges = [0.0, 1e-45, 2e-45, 1e-40, TINY, 1e-30, 1e-10, 1e-4, np.nextafter(clamp, 0),
+    edges = [0.0, 1e-45, 2e-45, 1e-40, TINY, 1e-30, 1e-10, 1e-4, WORST_X, np.nextafter(clamp, 0),
              clamp, np.nextafter(clamp, np.float32(np.inf)), 10.0, 1e30,
              np.finfo(np.float32).max, np.inf]
     x = np.concatenate([np.linspace(-10, 10, 2_000_001, dtype=np.float32), bits[~np.isnan(bits)],
