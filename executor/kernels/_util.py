@@ -26,66 +26,143 @@ def compute_dtype(dtype) -> np.dtype:
     return np.dtype(np.float32) if dtype.itemsize < 4 and dtype.kind in "fV" else dtype
 
 
-_ERFC_COEFFS = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807,
-                 -1.13520398, 1.48851587, -0.82215223, 0.17087277)
+# float32 erf (issue 15): erf(x) ~= x * P(x^2) / Q(x^2) on |x| <= _ERF32_CLAMP, Q monic,
+# coefficients lowest degree first, fitted by scripts/fit_erf32.py (which prints these); beyond
+# the clamp erf(x) rounds to +-1 in float32 (erfc(3.92) = 2.96e-8 < 2**-25). The fit is within
+# 3.4e-8 (relative); evaluated in float32, over every float32 (scripts/fit_erf32.py
+# --exhaustive), the largest error is 4.36e-7 absolute and, for |erf(x)| >= 2**-126, 4.36e-7
+# relative (at x = 3.2803822; tests/executor/test_erf_float32.py pins it), subnormal results
+# within 1 step: up to ~7 float32 ulps near 1, from the rounding of ~20 float32 operations.
+# Unlike Abramowitz & Stegun 7.1.26 (PyTorch's CPU erf: 1.5e-7 absolute, so a poor relative
+# error for tiny |x|), tiny and subnormal x keep their relative accuracy, with no exp.
+_ERF32_P = (29651.078, 5020.65, 1388.3456, 99.68774, 7.5007024, 0.05370131)
+_ERF32_Q = (26277.586, 13208.611, 3005.5947, 394.82077, 30.724627, 1.0)
+_ERF32_CLAMP = 3.92
+# elements per block: Horner's rule, most of the passes, touches z and the two rows of pq only
+# (768 KiB, within a 1 MiB L2); NumPy's cost per call (~1 us, 15 calls a block) is what
+# smaller blocks pay: 32K-element blocks took 15-20% longer at 128K elements
+_ERF32_CHUNK = 1 << 16
 
 
-# elements per block: the three float64 scratch buffers (384 KiB) still fit a 512 KiB L2, in
-# half the calls of 8192-element blocks (10-20% less time at 128K and 1M elements, issue 15)
-_ERF_CHUNK = 1 << 14
+def _stacked(p, q):
+    """P's and Q's coefficients as (2, 1) float32 columns, lowest degree first: Horner's rule
+    runs on P and Q as the two rows of one array, half the NumPy calls of two loops."""
+    return tuple(np.array([[a], [b]], np.float32) for a, b in zip(p, q, strict=True))
 
 
-def _erf_numpy(x):
-    if x.dtype == np.float64:
-        return _exact_erf(x)
-    # Rational Chebyshev fit of erfc (fractional error < 1.2e-7), evaluated in float64 (in
-    # float32 the rounding would add up to 5e-7): Horner's rule in place, block by block so
-    # that its twenty-odd passes run in cache, not memory.
+def _gelu_coefficients():
+    """0.5 * erf(x / sqrt(2)) = x * P'(x^2) / Q'(x^2): the same rational with x^2 / 2 for x^2
+    and both scaled by 2**deg (exact) so that Q' stays monic; GELU then needs no pass to scale x."""
+    degree = len(_ERF32_Q) - 1
+    p = [float(np.float32(c * 2.0 ** (degree - k) * 0.5 * _SQRT_HALF))
+         for k, c in enumerate(_ERF32_P)]
+    q = [c * 2.0 ** (degree - k) for k, c in enumerate(_ERF32_Q)]
+    return p, q
+
+
+_ERF32_PQ = _stacked(_ERF32_P, _ERF32_Q)
+_GELU_PQ = _stacked(*_gelu_coefficients())
+_ERF32_Z_MAX = np.full(_ERF32_CHUNK, np.float32(_ERF32_CLAMP) ** 2, np.float32)
+_GELU_Z_MAX = np.full(_ERF32_CHUNK, np.float32(_ERF32_CLAMP / _SQRT_HALF) ** 2, np.float32)
+_ERF32_Z_MAX.flags.writeable = _GELU_Z_MAX.flags.writeable = False
+
+
+def _rational_odd(x, out, z, pq, coeffs, z_max):
+    """x * P(z) / Q(z), z = min(x^2, clamp^2), into ``out``; ``z`` and ``pq`` (shape (2, n)):
+    float32 scratch; ``z_max``: clamp^2 in a float32 array at least n long (NumPy's minimum
+    against a scalar runs 3x slower than against an array). Multiplying by x, not by x
+    clipped, saves a clip of x: beyond the clamp the result only grows past +-1 (erf) or
+    +-0.5 (GELU), which the caller's clip then gives; NaN stays NaN."""
+    with np.errstate(over="ignore"):  # |x| > 1.8e19: x^2 = inf, and min() bounds it
+        np.multiply(x, x, out=z, dtype=np.float32)
+    bound = z_max[:z.size] if z.size <= z_max.size else np.full(z.size, z_max[0])  # any block
+    np.minimum(z, bound, out=z)
+    np.multiply(z, coeffs[-1], out=pq)
+    for coeff in coeffs[-2:0:-1]:
+        pq += coeff
+        pq *= z
+    pq += coeffs[0]
+    # P / Q (between 0.25 and 1.13 for erf) before the product: x up to float32's largest
+    # does not overflow
+    np.divide(pq[0], pq[1], out=pq[0])
+    np.multiply(pq[0], x, out=out)
+
+
+def _erf32_block(x, out, z, pq, pq_coeffs=_ERF32_PQ):
+    """erf of a float32/float16 block into ``out``, clipped to [-1, 1]: |erf| <= 1 (rounding
+    reaches 1 + 2.4e-7) and erf(x) = +-1 exactly beyond the clamp, where x * P / Q >= 1
+    (scripts/fit_erf32.py checks it at the clamp; the product only grows with |x|)."""
+    _rational_odd(x, out, z, pq, pq_coeffs, _ERF32_Z_MAX)
+    np.clip(out, -1.0, 1.0, out=out)
+
+
+def _gelu_cdf(x, cdf, z, pq):
+    """Phi(x) = 0.5 + 0.5 * erf(x / sqrt(2)), clipped to [0, 1], into ``cdf``."""
+    _rational_odd(x, cdf, z, pq, _GELU_PQ, _GELU_Z_MAX)
+    cdf += 0.5
+    np.clip(cdf, 0.0, 1.0, out=cdf)
+
+
+def _gelu_block(x, out, z, pq):
+    _gelu_cdf(x, out, z, pq)
+    out *= x
+
+
+_LOG_INV_SQRT_2PI = -0.5 * math.log(2.0 * math.pi)
+
+
+def _gelu_grad_block(x, out, z, pq):
+    """Phi(x) + x * phi(x), phi(x) = exp(-x^2 / 2 - log(sqrt(2 pi)))."""
+    _gelu_cdf(x, out, z, pq)
+    np.multiply(x, -0.5, out=z)
+    with np.errstate(over="ignore"):  # |x| > 2.6e19: -inf, and exp() gives 0
+        z *= x
+    z += _LOG_INV_SQRT_2PI
+    np.exp(z, out=z)
+    z *= x
+    out += z
+
+
+def _blockwise(block, x):
+    """``block(x_part, out_part, z, pq)`` over blocks of _ERF32_CHUNK elements of x (float32
+    or float16; the result has x's dtype) with float32 scratch ``z`` (n,) and ``pq`` (2, n),
+    split over threads as run_split decides. Each block is computed the same way wherever the
+    cuts fall."""
     flat = np.ascontiguousarray(x).reshape(-1)
     out = np.empty(flat.shape, x.dtype)
-    blocks = -(-flat.size // _ERF_CHUNK)
-    run_split(lambda first, last: _erf_range(flat, out, first * _ERF_CHUNK,
-                                             min(last * _ERF_CHUNK, flat.size)),
-              blocks, parts_for(flat.size, blocks))
+    blocks = -(-flat.size // _ERF32_CHUNK)
+
+    def run(first, last):
+        begin, end = first * _ERF32_CHUNK, min(last * _ERF32_CHUNK, flat.size)
+        size = min(_ERF32_CHUNK, end - begin)
+        if size <= 0:
+            return
+        z, pq = np.empty(size, np.float32), np.empty((2, size), np.float32)
+        for start in range(begin, end, _ERF32_CHUNK):
+            n = min(start + _ERF32_CHUNK, end) - start
+            block(flat[start:start + n], out[start:start + n], z[:n], pq[:, :n])
+
+    run_split(run, blocks, parts_for(flat.size, blocks))
     return out.reshape(x.shape)
 
 
-def _erf_range(flat, out, begin, end):
-    size = min(_ERF_CHUNK, end - begin)
-    if size <= 0:
-        return
-    z, t, poly = (np.empty(size, np.float64) for _ in range(3))
-    for start in range(begin, end, _ERF_CHUNK):
-        part = flat[start:min(start + _ERF_CHUNK, end)]
-        n = part.size
-        _erf_block(part, z[:n], t[:n], poly[:n])
-        out[start:start + n] = poly[:n]
+def _float32_path(x):
+    """float32 and float16 arrays take the float32 rational; float64 and others the exact erf."""
+    return x.dtype == np.float32 or x.dtype == np.float16
 
 
-def _erf_block(x, z, t, poly):
-    """erf(x) into ``poly`` (float64); ``z`` and ``t`` are scratch of x's size."""
-    np.abs(x, out=z)
-    # 1 / (1 + z/2) as 2 / (z + 2): scaling by 2 is exact, so both round alike (one pass less)
-    np.add(z, 2.0, out=t)
-    np.divide(2.0, t, out=t)
-    np.multiply(t, _ERFC_COEFFS[-1], out=poly)
-    for coeff in _ERFC_COEFFS[-2:0:-1]:
-        poly += coeff
-        poly *= t
-    poly += _ERFC_COEFFS[0]
-    np.multiply(z, z, out=z)
-    poly -= z
-    np.exp(poly, out=poly)
-    poly *= t  # erfc(|x|)
-    np.subtract(1.0, poly, out=poly)
-    np.copysign(poly, x, out=poly)
+def _erf_numpy(x):
+    if not _float32_path(x):
+        return _exact_erf(x).astype(x.dtype, copy=False)
+    return _blockwise(_erf32_block, x)
 
 
 _exact_erf_ufunc = np.frompyfunc(math.erf, 1, 1)
 
 
 def _exact_erf(x):
-    return _exact_erf_ufunc(x).astype(np.float64)
+    # np.asarray: on a 0-d array the object ufunc returns a bare Python float
+    return np.asarray(_exact_erf_ufunc(x)).astype(np.float64)
 
 
 def erf(xp, x):
@@ -107,10 +184,17 @@ def scipy_special(xp):
 
 
 def gelu_exact(xp, x):
+    # NumPy float32: Phi from the float32 erf fit, in blocks, a few passes; within 2.8e-7 * |x|
+    # (tests/executor/test_erf_float32.py), |gelu(x)| <= |x| and of x's sign
+    if xp is np and np.asarray(x).dtype == np.float32:
+        return _blockwise(_gelu_block, np.asarray(x))
     return 0.5 * x * (1.0 + erf(xp, x * _SQRT_HALF))
 
 
 def gelu_exact_grad(xp, x):
+    # NumPy float32: within 2.8e-7 absolute (tests/executor/test_erf_float32.py)
+    if xp is np and np.asarray(x).dtype == np.float32:
+        return _blockwise(_gelu_grad_block, np.asarray(x))
     cdf = 0.5 * (1.0 + erf(xp, x * _SQRT_HALF))
     pdf = xp.exp(-0.5 * x * x) * (1.0 / math.sqrt(2.0 * math.pi))
     return cdf + x * pdf

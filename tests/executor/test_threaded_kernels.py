@@ -7,7 +7,14 @@ import pytest
 from graphopt.executor.backend import select_backend
 from graphopt.executor.context import KernelContext
 from graphopt.executor.kernels import _threads
-from graphopt.executor.kernels._util import _erf_block, erf
+from graphopt.executor.kernels._util import (
+    _erf32_block,
+    _gelu_block,
+    _gelu_grad_block,
+    erf,
+    gelu_exact,
+    gelu_exact_grad,
+)
 from graphopt.executor.kernels.elementwise import _binary
 from graphopt.executor.kernels.nn import softmax_over
 
@@ -50,11 +57,13 @@ def test_softmax_keeps_a_transposed_layout():
     np.testing.assert_allclose(probs, _softmax64(scores, 3), rtol=2e-6, atol=1e-12)
 
 
-def test_erf_blocks_equal_one_pass():
+@pytest.mark.parametrize(("block", "fn"), [(_erf32_block, erf), (_gelu_block, gelu_exact),
+                                          (_gelu_grad_block, gelu_exact_grad)])
+def test_erf_and_gelu_blocks_equal_one_pass(block, fn):
     x = _x()
-    z, t, poly = (np.empty(x.size) for _ in range(3))
-    _erf_block(x.reshape(-1), z, t, poly)
-    np.testing.assert_array_equal(erf(np, x), poly.astype(np.float32).reshape(x.shape))
+    whole = np.empty(x.size, np.float32)
+    block(x.reshape(-1), whole, np.empty(x.size, np.float32), np.empty((2, x.size), np.float32))
+    np.testing.assert_array_equal(fn(np, x), whole.reshape(x.shape))
 
 
 @pytest.mark.parametrize("b_shape", [(ROWS, COLS), (COLS,), (1, COLS), (ROWS, 1), ()])
