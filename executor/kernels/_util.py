@@ -26,6 +26,25 @@ def compute_dtype(dtype) -> np.dtype:
     return np.dtype(np.float32) if dtype.itemsize < 4 and dtype.kind in "fV" else dtype
 
 
+def row_sums(x2d, weights=None):
+    """Sums of the rows of a 2-D float32/float64 NumPy array (weighted by ``weights``, a
+    vector of the row length): one BLAS GEMV. A NumPy reduction along a short last axis
+    pays a per-row overhead (1024 rows of 64: 55 us against 7 us, issue 15)."""
+    if weights is None:
+        weights = np.ones(x2d.shape[1], dtype=x2d.dtype)
+    return x2d @ weights
+
+
+def column_sums(x2d):
+    """Sums over the rows of a 2-D float32/float64 NumPy array (a GEMV with ones)."""
+    return np.ones(x2d.shape[0], dtype=x2d.dtype) @ x2d
+
+
+def gemv_dtype(xp, dtype) -> bool:
+    """Whether row_sums / column_sums apply: NumPy arrays that BLAS sums."""
+    return xp is np and dtype in (np.float32, np.float64)
+
+
 _ERFC_COEFFS = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807,
                  -1.13520398, 1.48851587, -0.82215223, 0.17087277)
 

@@ -1,0 +1,131 @@
+"""The NumPy fast paths of the small training kernels (issue 15): LayerNormalization and its
+gradient, SoftmaxGrad, SoftmaxCrossEntropyLoss and its gradient, ReduceSum. Each is checked
+against float64 formulas written here, on the shapes it takes and on those it must leave to
+the general path (parameters that broadcast, non-trailing axes, half precision)."""
+
+import numpy as np
+import pytest
+
+from graphopt.executor.backend import select_backend
+from graphopt.executor.context import KernelContext
+from graphopt.executor.kernels import nn, reduce, training_ops
+from graphopt.executor.plan import PlannedNode
+
+RNG = np.random.default_rng(11)
+
+
+def _ctx(*donated):
+    ctx = KernelContext(select_backend("cpu"), None, True, 0)
+    ctx.donated = donated
+    return ctx
+
+
+def _node(op_type, domain="com.microsoft", opset=1, **attrs):
+    return PlannedNode(0, op_type, op_type, domain, opset, (), (), attrs)
+
+
+def _ln_reference(x, scale, bias, axis):
+    axes = tuple(range(axis, x.ndim))
+    x = x.astype(np.float64)
+    mean = x.mean(axis=axes, keepdims=True)
+    inv_std = 1 / np.sqrt(((x - mean) ** 2).mean(axis=axes, keepdims=True) + 1e-5)
+    return (x - mean) * inv_std * scale + bias, mean, inv_std
+
+
+def _ln_grad_reference(dy, x, scale, axis):
+    axes, lead = tuple(range(axis, x.ndim)), tuple(range(axis))
+    dy, x = dy.astype(np.float64), x.astype(np.float64)
+    mean = x.mean(axis=axes, keepdims=True)
+    inv_std = 1 / np.sqrt(((x - mean) ** 2).mean(axis=axes, keepdims=True) + 1e-5)
+    xhat = (x - mean) * inv_std
+    dxhat = dy * scale
+    dx = inv_std * (dxhat - dxhat.mean(axis=axes, keepdims=True)
+                    - xhat * (dxhat * xhat).mean(axis=axes, keepdims=True))
+    scale_grad = (dy * xhat).sum(axis=lead)
+    bias_grad = np.broadcast_to(dy, np.broadcast_shapes(dy.shape, x.shape)).sum(axis=lead)
+    reduce_to = scale.shape
+    while scale_grad.ndim > len(reduce_to):  # parameters that broadcast over leading axes
+        scale_grad, bias_grad = scale_grad.sum(axis=0), bias_grad.sum(axis=0)
+    for i, n in enumerate(reduce_to):
+        if n == 1:
+            scale_grad = scale_grad.sum(axis=i, keepdims=True)
+            bias_grad = bias_grad.sum(axis=i, keepdims=True)
+    return dx, scale_grad, bias_grad
+
+
+# (x shape, axis, parameter shape): flat rows; two normalized axes; a parameter that
+# broadcasts (the general path); axis 0 (one row)
+LN_CASES = [((4, 6, 16), -1, (16,)), ((3, 5, 4, 8), -2, (4, 8)), ((3, 5, 8), -2, (1, 8)),
+            ((6, 10), 0, (6, 10))]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("shape,axis,param_shape", LN_CASES)
+def test_layer_normalization_and_its_gradient(dtype, shape, axis, param_shape):
+    x = (RNG.standard_normal(shape) * 3 + 5).astype(dtype)  # an offset: centred before squared
+    scale = RNG.standard_normal(param_shape).astype(dtype)
+    bias = RNG.standard_normal(param_shape).astype(dtype)
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == np.float16 else {"rtol": 1e-4, "atol": 1e-5}
+    node = _node("LayerNormalization", "", 17, axis=axis, epsilon=1e-5, stash_type=1)
+    y, mean, inv_std = nn.layer_normalization(_ctx(), node, x, scale, bias)
+    want_y, want_mean, want_inv = _ln_reference(x, scale, bias, axis % x.ndim)
+    stash = np.promote_types(dtype, np.float32)  # stash_type 1: at least float32
+    assert y.dtype == dtype and mean.dtype == inv_std.dtype == stash
+    assert mean.shape == want_mean.shape and inv_std.shape == want_inv.shape
+    np.testing.assert_allclose(y.astype(np.float64), want_y, **tol)
+    np.testing.assert_allclose(mean, want_mean, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(inv_std, want_inv, rtol=1e-4)
+
+    dy = RNG.standard_normal(shape).astype(dtype)
+    dx, dscale, dbias = training_ops.layer_normalization_grad(
+        _ctx(), _node("LayerNormalizationGrad", axis=axis), dy, x, scale, mean, inv_std)
+    want = _ln_grad_reference(dy, x, scale, axis % x.ndim)
+    for got, expected in zip((dx, dscale, dbias), want, strict=True):
+        assert got.dtype == dtype and got.shape == expected.shape
+        np.testing.assert_allclose(got.astype(np.float64), expected,
+                                   **({"rtol": 5e-2, "atol": 5e-2} if dtype == np.float16
+                                      else {"rtol": 1e-4, "atol": 1e-4}))
+
+
+def _softmax(x, axis):
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+@pytest.mark.parametrize("op,axis", [("SoftmaxGrad_13", -1), ("SoftmaxGrad_13", 1),
+                                     ("SoftmaxGrad", 1), ("SoftmaxGrad", 2)])
+def test_softmax_grad_on_trailing_and_inner_axes(op, axis):
+    shape = (3, 4, 5, 6)
+    y64 = _softmax(RNG.standard_normal(shape), axis if op == "SoftmaxGrad_13"
+                   else tuple(range(axis, 4)))
+    dy = RNG.standard_normal(shape).astype(np.float32)
+    y = y64.astype(np.float32)
+    axes = (axis % 4,) if op == "SoftmaxGrad_13" else tuple(range(axis, 4))
+    want = y * (dy - (y.astype(np.float64) * dy).sum(axis=axes, keepdims=True))
+    fn = training_ops.softmax_grad_13 if op == "SoftmaxGrad_13" else training_ops.softmax_grad
+    got = fn(_ctx(), _node(op, axis=axis), dy, y)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_softmax_grad_writes_into_a_donated_gradient():
+    y = _softmax(RNG.standard_normal((4, 8, 8)), -1).astype(np.float32)
+    dy = RNG.standard_normal((4, 8, 8)).astype(np.float32)
+    want = training_ops.softmax_grad_13(_ctx(), _node("SoftmaxGrad_13", axis=-1), dy, y)
+    donated = dy.copy()
+    got = training_ops.softmax_grad_13(_ctx(donated), _node("SoftmaxGrad_13", axis=-1),
+                                       donated, y)
+    assert got is donated
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("axes", [(0,), (0, 1), (2,), (1, 2), (1,), (0, 2), (0, 1, 2)])
+@pytest.mark.parametrize("keepdims", [0, 1])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64])
+def test_reduce_sum_over_leading_trailing_and_other_axes(axes, keepdims, dtype):
+    x = (RNG.standard_normal((6, 5, 7)) * 4).astype(dtype)
+    got = reduce.reduce_sum(np, x, axes, bool(keepdims))
+    want = x.astype(np.float64).sum(axis=axes, keepdims=bool(keepdims))
+    assert got.dtype == dtype and got.shape == want.shape
+    np.testing.assert_allclose(got.astype(np.float64), want,
+                               rtol=1e-2 if dtype == np.float16 else 1e-5, atol=1e-2)
