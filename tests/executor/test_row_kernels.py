@@ -1,14 +1,15 @@
 """The NumPy fast paths of the small training kernels (issue 15): LayerNormalization and its
 gradient, SoftmaxGrad, SoftmaxCrossEntropyLoss and its gradient, ReduceSum. Each is checked
 against float64 formulas written here, on the shapes it takes and on those it must leave to
-the general path (parameters that broadcast, non-trailing axes, half precision)."""
+the general path (parameters that broadcast, non-trailing axes, wide-spread scores, ignored
+labels, half precision)."""
 
 import numpy as np
 import pytest
 
 from graphopt.executor.backend import select_backend
 from graphopt.executor.context import KernelContext
-from graphopt.executor.kernels import nn, reduce, training_ops
+from graphopt.executor.kernels import loss, nn, reduce, training_ops
 from graphopt.executor.plan import PlannedNode
 
 RNG = np.random.default_rng(11)
@@ -115,6 +116,67 @@ def test_softmax_grad_writes_into_a_donated_gradient():
     donated = dy.copy()
     got = training_ops.softmax_grad_13(_ctx(donated), _node("SoftmaxGrad_13", axis=-1),
                                        donated, y)
+    assert got is donated
+    np.testing.assert_array_equal(got, want)
+
+
+def _sce_reference(scores, labels, ignore_index=None):
+    x = scores.astype(np.float64)
+    log_prob = x - x.max(axis=1, keepdims=True)
+    log_prob -= np.log(np.exp(log_prob).sum(axis=1, keepdims=True))
+    keep = np.ones(labels.shape, bool) if ignore_index is None else labels != ignore_index
+    safe = np.where(keep, labels, 0)
+    picked = np.take_along_axis(log_prob, safe[:, None], axis=1)[:, 0]
+    loss_value = -(picked * keep).sum() / keep.sum()
+    grad = np.exp(log_prob)
+    np.put_along_axis(grad, safe[:, None], np.take_along_axis(grad, safe[:, None], 1) - 1, 1)
+    grad *= (keep / keep.sum())[:, None]
+    return loss_value, log_prob, grad
+
+
+# scores of a moderate spread (one shift for the tensor), a wide one (a shift per class
+# axis: exp(x - global max) would underflow a whole slice), (N, C) and (N, C, D1, D2) shapes
+@pytest.mark.parametrize("shape,spread", [((6, 7, 5), 3.0), ((6, 7, 5), 400.0), ((9, 11), 3.0),
+                                          ((4, 5, 3, 2), 3.0), ((6, 7, 5), np.inf)])
+@pytest.mark.parametrize("ignore", [None, 2])
+def test_softmax_cross_entropy_and_its_gradient(shape, spread, ignore):
+    scores = RNG.standard_normal(shape).astype(np.float32)
+    if np.isfinite(spread):
+        scores[0] *= spread  # a slice far from the others
+    labels = RNG.integers(0, shape[1], (shape[0],) + shape[2:]).astype(np.int64)
+    if ignore is not None:
+        labels.reshape(-1)[::4] = ignore  # ignored positions, others keep class 2
+    attrs = {"reduction": "mean"} | ({} if ignore is None else {"ignore_index": ignore})
+    ctx = _ctx()
+    loss_value, log_prob = loss.softmax_cross_entropy_loss(
+        ctx, _node("SoftmaxCrossEntropyLoss", "", 13, **attrs), scores, labels)
+    if not np.isfinite(spread):
+        scores[0, 0] = np.inf
+        _, log_prob_inf = loss.softmax_cross_entropy_loss(
+            ctx, _node("SoftmaxCrossEntropyLoss", "", 13, **attrs), scores, labels)
+        assert np.isnan(log_prob_inf[0]).any() and np.isfinite(log_prob_inf[1:]).all()
+        return
+    want_loss, want_log_prob, want_grad = _sce_reference(scores, labels, ignore)
+    assert np.isfinite(log_prob).all()
+    np.testing.assert_allclose(log_prob, want_log_prob, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(loss_value, want_loss, rtol=1e-5)
+    dy = np.array(1.0, np.float32)
+    grad = loss.softmax_cross_entropy_loss_grad(
+        ctx, _node("SoftmaxCrossEntropyLossGrad", **attrs), dy, log_prob, labels)
+    assert grad.dtype == np.float32
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_cross_entropy_gradient_writes_into_a_donated_log_prob():
+    scores = RNG.standard_normal((4, 6, 3)).astype(np.float32)
+    labels = RNG.integers(0, 6, (4, 3)).astype(np.int64)
+    node = _node("SoftmaxCrossEntropyLossGrad", reduction="sum")
+    _, log_prob = loss.softmax_cross_entropy_loss(
+        _ctx(), _node("SoftmaxCrossEntropyLoss", "", 13, reduction="sum"), scores, labels)
+    dy = np.array(0.5, np.float32)
+    want = loss.softmax_cross_entropy_loss_grad(_ctx(), node, dy, log_prob, labels)
+    donated = log_prob.copy()
+    got = loss.softmax_cross_entropy_loss_grad(_ctx(donated), node, dy, donated, labels)
     assert got is donated
     np.testing.assert_array_equal(got, want)
 
