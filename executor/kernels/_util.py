@@ -26,22 +26,23 @@ def compute_dtype(dtype) -> np.dtype:
     return np.dtype(np.float32) if dtype.itemsize < 4 and dtype.kind in "fV" else dtype
 
 
-def row_sums(x2d, weights=None):
-    """Sums of the rows of a 2-D float32/float64 NumPy array (weighted by ``weights``, a
-    vector of the row length): one BLAS GEMV. A NumPy reduction along a short last axis
-    pays a per-row overhead (1024 rows of 64: 55 us against 7 us, issue 15)."""
-    if weights is None:
-        weights = np.ones(x2d.shape[1], dtype=x2d.dtype)
-    return x2d @ weights
+def row_sums(x2d):
+    """Sums of the rows of a 2-D float32/float64 NumPy array: einsum's, 3-4x faster than a
+    NumPy reduction along short rows (1024 rows of 64: 16 us against 58 us, issue 15), and,
+    unlike a GEMV's, each row's bits independent of the rows beside it."""
+    return np.einsum("ij->i", x2d)
 
 
 def column_sums(x2d):
-    """Sums over the rows of a 2-D float32/float64 NumPy array (a GEMV with ones)."""
-    return np.ones(x2d.shape[0], dtype=x2d.dtype) @ x2d
+    """Sums over the rows of a 2-D float32/float64 NumPy array: einsum's, the rows added in
+    order as NumPy's reduction adds them (the same bits) at 2-4x its speed (1024 rows of 64:
+    19 us against 44 us). A BLAS GEMV with ones is faster still when hot, but hands work to
+    BLAS threads that a busy machine may not run in time (see blas_threads)."""
+    return np.einsum("ij->j", x2d)
 
 
-def gemv_dtype(xp, dtype) -> bool:
-    """Whether row_sums / column_sums apply: NumPy arrays that BLAS sums."""
+def einsum_dtype(xp, dtype) -> bool:
+    """Whether row_sums / column_sums apply: NumPy float32/float64 arrays."""
     return xp is np and dtype in (np.float32, np.float64)
 
 

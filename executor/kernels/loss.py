@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..registry import MS_DOMAIN, kernel
-from ._util import compute_dtype, gemv_dtype, row_sums
+from ._util import compute_dtype, einsum_dtype
 from .nn import log_softmax_over
 
 # Over this spread of the scores (max - min), every class axis is shifted by its own maximum;
@@ -18,7 +18,7 @@ _GLOBAL_SHIFT_SPREAD = 64.0
 def _log_softmax_classes(xp, scores):
     """log_softmax over axis 1 (the class axis of the losses)."""
     ct = compute_dtype(scores.dtype)
-    if not (gemv_dtype(xp, ct) and scores.ndim >= 2 and scores.size):
+    if not (einsum_dtype(xp, ct) and scores.ndim >= 2 and scores.size):
         return log_softmax_over(xp, scores, (1,))
     data = scores.astype(ct, copy=False)
     peak, low = data.max(), data.min()
@@ -28,10 +28,8 @@ def _log_softmax_classes(xp, scores):
     shifted = data - peak
     rest = shifted.size // (n * classes)
     expd = np.exp(shifted)
-    if rest == 1:  # (N, C): the classes are the rows
-        sums = row_sums(expd.reshape(n, classes)).reshape(n, 1, 1)
-    else:
-        sums = np.matmul(np.ones((1, classes), dtype=ct), expd.reshape(n, classes, rest))
+    # einsum's sums: each position's bits independent of the others (see row_sums)
+    sums = np.einsum("ncr->nr", expd.reshape(n, classes, rest)).reshape(n, 1, rest)
     np.log(sums, out=sums)
     out3 = shifted.reshape(n, classes, rest)
     out3 -= sums

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..registry import kernel
 from ._threads import parts_for, run_split
-from ._util import compute_dtype, gemv_dtype, norm_axis, row_sums
+from ._util import compute_dtype, einsum_dtype, norm_axis, row_sums
 
 # rows per block: ~16K elements (64 KiB of float32), so that a block's five passes (max,
 # subtract, exp, sum, scale) run in L1/L2 instead of streaming the tensor five times
@@ -144,7 +144,7 @@ for _op, _fn in (("LogSoftmax", log_softmax_over), ("Hardmax", _hardmax_over)):
 
 def _layer_norm_rows(x, axis, epsilon, stash_dtype):
     """NumPy float32/float64: (centered, mean, inv_std) with centered as (rows, D) and the
-    row statistics summed by GEMVs; mean and inv_std in the keepdims shape."""
+    row statistics summed by einsum; mean and inv_std in the keepdims shape."""
     rows = math.prod(x.shape[:axis])
     width = x.size // rows if rows else 0
     data = x.astype(stash_dtype, copy=False).reshape(rows, width)
@@ -178,7 +178,7 @@ def layer_normalization(ctx, node, x, scale, bias=None):
     epsilon = node.attrs.get("epsilon", 1e-5)
     stash = np.dtype(np.float32) if node.attr("stash_type") == 1 else x.dtype
     stash = np.promote_types(stash, compute_dtype(x.dtype))
-    if gemv_dtype(xp, stash) and x.size and 0 < axis and per_row_params(x, axis, scale, bias):
+    if einsum_dtype(xp, stash) and x.size and 0 < axis and per_row_params(x, axis, scale, bias):
         centered, mean, inv_std = _layer_norm_rows(x, axis, epsilon, stash)
         y = centered  # (rows, D): scaled in place
         y *= inv_std.reshape(-1, 1)

@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from ..registry import kernel
-from ._util import column_sums, compute_dtype, gemv_dtype, norm_axis, row_sums
+from ._util import column_sums, compute_dtype, einsum_dtype, norm_axis, row_sums
 
 
 def _axes(ctx, node, x, axes_input):
@@ -58,10 +58,10 @@ _reduce_min = _extreme("min", _highest)
 
 def reduce_sum(xp, x, axes, keepdims):
     axes = tuple(sorted(axes))
-    if (gemv_dtype(xp, x.dtype) and x.size and len(axes) < x.ndim
+    if (einsum_dtype(xp, x.dtype) and x.size and len(axes) < x.ndim
             and axes == tuple(range(axes[0], axes[0] + len(axes)))
             and (axes[0] == 0 or axes[-1] == x.ndim - 1)):
-        # leading or trailing axes (a bias gradient, a row sum): one GEMV with ones on the
+        # leading or trailing axes (a bias gradient, a row sum): einsum on the
         # 2-D view, not NumPy's reduction (per-row overhead for short rows, issue 15)
         kept = [n for i, n in enumerate(x.shape) if i not in axes]
         if axes[0] == 0:

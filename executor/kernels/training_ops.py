@@ -14,9 +14,9 @@ from ._scatter import check_bounds, scatter_rows
 from ._util import (
     column_sums,
     compute_dtype,
+    einsum_dtype,
     gelu_exact_grad,
     gelu_tanh_grad,
-    gemv_dtype,
     norm_axis,
     row_sums,
 )
@@ -53,8 +53,8 @@ def _softmax_grad(ctx, dy, y, axes):
     xp = ctx.xp
     ct = compute_dtype(y.dtype)
     y32, dy32 = y.astype(ct, copy=False), dy.astype(ct, copy=False)
-    if gemv_dtype(xp, ct) and y.size and axes[-1] == y.ndim - 1:
-        # trailing axes: (rows, D) views, the row sums one GEMV, the result into dy when
+    if einsum_dtype(xp, ct) and y.size and axes[-1] == y.ndim - 1:
+        # trailing axes: (rows, D) views, the row sums by einsum, the result into dy when
         # it is donated (dy is read elementwise before its element is written)
         rows = math.prod(y.shape[:axes[0]])
         y2, dy2 = y32.reshape(rows, -1), dy32.reshape(rows, -1)
@@ -209,7 +209,7 @@ def layer_normalization_grad(ctx, node, dy, x, scale, mean, inv_std):
     lead_axes = tuple(range(axis))
     ct = np.promote_types(compute_dtype(x.dtype), mean.dtype)
     xp = ctx.xp
-    if gemv_dtype(xp, ct) and x.size and 0 < axis and per_row_params(x, axis, scale):
+    if einsum_dtype(xp, ct) and x.size and 0 < axis and per_row_params(x, axis, scale):
         dx, scale_grad, bias_grad = _layer_norm_grad_rows(dy, x, scale, mean, inv_std, ct)
         return (dx.reshape(x.shape).astype(x.dtype, copy=False),
                 scale_grad.reshape(scale.shape).astype(scale.dtype, copy=False),
@@ -245,9 +245,8 @@ def _sum_to(grad, shape):
 
 
 def _layer_norm_grad_rows(dy, x, scale, mean, inv_std, ct):
-    """NumPy float32/float64 on (rows, D) views: the row means of dxhat = dy * scale and of
-    dxhat * xhat are GEMVs of dy and dy * xhat with scale (dxhat itself is never summed),
-    and the column sums of the parameter gradients GEMVs with ones (issue 15)."""
+    """NumPy float32/float64 on (rows, D) views: the row means with einsum and the
+    parameter gradients' column sums by einsum (see row_sums, column_sums; issue 15)."""
     rows = mean.size
     width = x.size // rows
     dy2 = dy.astype(ct, copy=False).reshape(rows, width)
@@ -258,12 +257,13 @@ def _layer_norm_grad_rows(dy, x, scale, mean, inv_std, ct):
     scratch = dy2 * xhat
     scale_grad = column_sums(scratch)
     bias_grad = column_sums(dy2)
-    xhat_term = row_sums(scratch, scale1)  # sum of dxhat * xhat over the row
-    xhat_term /= width
-    dxhat_mean = row_sums(dy2, scale1)
+    # inv_std * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * scale
+    dx = dy2 * scale1
+    dxhat_mean = row_sums(dx)
     dxhat_mean /= width
-    # inv_std * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
-    dx = np.multiply(dy2, scale1, out=scratch)
+    np.multiply(dx, xhat, out=scratch)
+    xhat_term = row_sums(scratch)
+    xhat_term /= width
     dx -= dxhat_mean[:, None]
     xhat *= xhat_term[:, None]
     dx -= xhat

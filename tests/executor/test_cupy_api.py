@@ -5,8 +5,8 @@ takes, computed by NumPy. Two checks come out of one run over onnx's node test s
 and the training graphs of the fixtures:
 
 * the GPU paths give the right numbers (the suite's expected outputs; the CPU session's
-  numbers for the training graphs, to rounding: the NumPy paths sum rows and columns with
-  BLAS GEMVs, the GPU paths with the array module's reductions; the deterministic scatter's
+  numbers for the training graphs, to rounding: the NumPy paths sum short rows with
+  einsum, the GPU paths with the array module's reductions; the deterministic scatter's
   bits are checked on their own below);
 * every ``xp.*`` call they make exists in CuPy with those arguments (needs CuPy installed,
   which works on a machine without a GPU: ``pip install cupy-cuda13x``; skipped otherwise).
