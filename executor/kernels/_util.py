@@ -37,7 +37,10 @@ def column_sums(x2d):
     """Sums over the rows of a 2-D float32/float64 NumPy array: einsum's, the rows added in
     order as NumPy's reduction adds them (the same bits) at 2-4x its speed (1024 rows of 64:
     19 us against 44 us). A BLAS GEMV with ones is faster still when hot, but hands work to
-    BLAS threads that a busy machine may not run in time (see blas_threads)."""
+    BLAS threads that a busy machine may not run in time (see blas_threads). From 256
+    columns on NumPy's reduction is as fast or faster (1024 columns: 1.3x)."""
+    if x2d.shape[1] >= 256:
+        return x2d.sum(axis=0)
     return np.einsum("ij->j", x2d)
 
 
