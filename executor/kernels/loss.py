@@ -67,6 +67,16 @@ def _picked_weights(xp, labels, weights, ignore_index, dtype):
 
 
 def _nll(xp, log_prob, labels, weights, ignore_index, reduction):
+    if xp is np and log_prob.size and _uniform_weight(labels, weights, ignore_index):
+        # every weight 1: the same sums without the weight tensor (-p * 1 is -p)
+        loss = -_pick(xp, log_prob, labels)
+        if reduction == "none":
+            return loss
+        total = loss.sum(dtype=log_prob.dtype)
+        if reduction == "sum":
+            return total
+        count = np.ones(labels.shape, log_prob.dtype).sum(dtype=log_prob.dtype)
+        return (total / count).astype(log_prob.dtype)
     safe, w = _picked_weights(xp, labels, weights, ignore_index, log_prob.dtype)
     loss = -_pick(xp, log_prob, safe) * w
     if reduction == "none":
