@@ -53,7 +53,7 @@ def _softmax_grad(ctx, dy, y, axes):
     xp = ctx.xp
     ct = compute_dtype(y.dtype)
     y32, dy32 = y.astype(ct, copy=False), dy.astype(ct, copy=False)
-    if einsum_dtype(xp, ct) and y.size and axes[-1] == y.ndim - 1:
+    if einsum_dtype(xp, ct) and y.size and axes[-1] == y.ndim - 1 and dy.shape == y.shape:
         # trailing axes: (rows, D) views, the row sums by einsum, the result into dy when
         # it is donated (dy is read elementwise before its element is written)
         rows = math.prod(y.shape[:axes[0]])
@@ -209,7 +209,8 @@ def layer_normalization_grad(ctx, node, dy, x, scale, mean, inv_std):
     lead_axes = tuple(range(axis))
     ct = np.promote_types(compute_dtype(x.dtype), mean.dtype)
     xp = ctx.xp
-    if einsum_dtype(xp, ct) and x.size and 0 < axis and per_row_params(x, axis, scale):
+    if (einsum_dtype(xp, ct) and x.size and 0 < axis and dy.shape == x.shape
+            and per_row_params(x, axis, scale)):
         dx, scale_grad, bias_grad = _layer_norm_grad_rows(dy, x, scale, mean, inv_std, ct)
         return (dx.reshape(x.shape).astype(x.dtype, copy=False),
                 scale_grad.reshape(scale.shape).astype(scale.dtype, copy=False),
