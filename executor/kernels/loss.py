@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..registry import MS_DOMAIN, kernel
-from ._util import compute_dtype, einsum_dtype
+from ._util import compute_dtype, summed_by_rows
 from .nn import log_softmax_over
 
 # Over this spread of the scores (max - min), every class axis is shifted by its own maximum;
@@ -18,7 +18,8 @@ _GLOBAL_SHIFT_SPREAD = 64.0
 def _log_softmax_classes(xp, scores):
     """log_softmax over axis 1 (the class axis of the losses)."""
     ct = compute_dtype(scores.dtype)
-    if not (einsum_dtype(xp, ct) and scores.ndim >= 2 and scores.size):
+    # NumPy only: deciding on the spread reads it on the host (a GPU would wait for it)
+    if not (xp is np and summed_by_rows(ct) and scores.ndim >= 2 and scores.size):
         return log_softmax_over(xp, scores, (1,))
     data = scores.astype(ct, copy=False)
     peak, low = data.max(), data.min()

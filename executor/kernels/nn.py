@@ -8,7 +8,7 @@ import numpy as np
 
 from ..registry import kernel
 from ._threads import parts_for, run_split
-from ._util import compute_dtype, einsum_dtype, norm_axis, row_sums
+from ._util import compute_dtype, norm_axis, row_sums, summed_by_rows
 
 # rows per block: ~16K elements (64 KiB of float32), so that a block's five passes (max,
 # subtract, exp, sum, scale) run in L1/L2 instead of streaming the tensor five times
@@ -142,23 +142,25 @@ for _op, _fn in (("LogSoftmax", log_softmax_over), ("Hardmax", _hardmax_over)):
     kernel(_op, since=13)(lambda ctx, node, x, _fn=_fn: _fn(ctx.xp, x, single_axis(node, x)))
 
 
-def _layer_norm_rows(x, axis, epsilon, stash_dtype):
-    """NumPy float32/float64: (centered, mean, inv_std) with centered as (rows, D) and the
-    row statistics summed by einsum; mean and inv_std in the keepdims shape."""
+def _layer_norm_rows(xp, x, axis, epsilon, stash_dtype):
+    """float32/float64 (every backend): (centered, mean, inv_std), the row statistics of the
+    (rows, D) view summed by einsum, mean and inv_std in the keepdims shape."""
     rows = math.prod(x.shape[:axis])
     width = x.size // rows if rows else 0
     data = x.astype(stash_dtype, copy=False).reshape(rows, width)
-    mean = row_sums(data)
+    mean = row_sums(xp, data)
     mean /= width
-    centered = data - mean[:, None]
+    # in x's shape (a reshaped (rows, D) array would be a view: not donated on)
+    result = xp.empty(x.shape, stash_dtype)
+    centered = xp.subtract(data, mean[:, None], out=result.reshape(rows, width))
     squares = centered * centered
-    var = row_sums(squares)
+    var = row_sums(xp, squares)
     var /= width
     var += epsilon
-    inv_std = np.sqrt(var, out=var)
-    np.divide(1.0, inv_std, out=inv_std)
+    inv_std = xp.sqrt(var, out=var)
+    xp.divide(1.0, inv_std, out=inv_std)
     stats_shape = x.shape[:axis] + (1,) * (x.ndim - axis)
-    return centered, mean.reshape(stats_shape), inv_std.reshape(stats_shape)
+    return result, mean.reshape(stats_shape), inv_std.reshape(stats_shape)
 
 
 def layer_norm_stats(xp, x, axis, epsilon, stash_dtype):
@@ -178,14 +180,14 @@ def layer_normalization(ctx, node, x, scale, bias=None):
     epsilon = node.attrs.get("epsilon", 1e-5)
     stash = np.dtype(np.float32) if node.attr("stash_type") == 1 else x.dtype
     stash = np.promote_types(stash, compute_dtype(x.dtype))
-    if einsum_dtype(xp, stash) and x.size and 0 < axis and per_row_params(x, axis, scale, bias):
-        centered, mean, inv_std = _layer_norm_rows(x, axis, epsilon, stash)
-        y = centered  # (rows, D): scaled in place
+    if summed_by_rows(stash) and x.size and 0 < axis and per_row_params(x, axis, scale, bias):
+        centered, mean, inv_std = _layer_norm_rows(xp, x, axis, epsilon, stash)
+        y = centered.reshape(mean.size, -1)  # a (rows, D) view: scaled in place
         y *= inv_std.reshape(-1, 1)
         y *= scale.reshape(-1)
         if bias is not None:
             y += bias.reshape(-1)
-        return y.reshape(x.shape).astype(x.dtype, copy=False), mean, inv_std
+        return centered.astype(x.dtype, copy=False), mean, inv_std
     centered, mean, inv_std = layer_norm_stats(xp, x, axis, epsilon, stash)
     y = centered  # a temporary of layer_norm_stats: scaled in place, same order
     y *= inv_std

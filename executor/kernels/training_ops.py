@@ -14,11 +14,11 @@ from ._scatter import check_bounds, scatter_rows
 from ._util import (
     column_sums,
     compute_dtype,
-    einsum_dtype,
     gelu_exact_grad,
     gelu_tanh_grad,
     norm_axis,
     row_sums,
+    summed_by_rows,
 )
 from .nn import coerced_axes, per_row_params, single_axis
 from .reduce import _axes, reduce_sum
@@ -53,18 +53,20 @@ def _softmax_grad(ctx, dy, y, axes):
     xp = ctx.xp
     ct = compute_dtype(y.dtype)
     y32, dy32 = y.astype(ct, copy=False), dy.astype(ct, copy=False)
-    if einsum_dtype(xp, ct) and y.size and axes[-1] == y.ndim - 1 and dy.shape == y.shape:
+    if summed_by_rows(ct) and y.size and axes[-1] == y.ndim - 1 and dy.shape == y.shape:
         # trailing axes: (rows, D) views, the row sums by einsum, the result into dy when
         # it is donated (dy is read elementwise before its element is written)
         rows = math.prod(y.shape[:axes[0]])
         y2, dy2 = y32.reshape(rows, -1), dy32.reshape(rows, -1)
-        total = row_sums(y2 * dy2)
+        total = row_sums(xp, y2 * dy2)
         out = ctx.out_for(dy.shape, dy.dtype, dy) if ct == dy.dtype else None
-        if out is not None and not out.flags.c_contiguous:
-            out = None  # its (rows, D) view would be a copy
-        dx = np.subtract(dy2, total[:, None], out=None if out is None else out.reshape(rows, -1))
+        if out is None or not out.flags.c_contiguous:  # (its (rows, D) view would be a copy)
+            # allocated in y's shape, not as a (rows, D) array reshaped: a view (an array
+            # with a base) is not donated to the next in-place kernel
+            out = xp.empty(y.shape, ct)
+        dx = xp.subtract(dy2, total[:, None], out=out.reshape(y2.shape))
         dx *= y2
-        return out if out is not None else dx.reshape(y.shape).astype(y.dtype, copy=False)
+        return out.astype(y.dtype, copy=False)
     # y * (dy - sum(y * dy)) in one buffer: the product's, reused once it is summed
     dx = y32 * dy32
     total = dx.sum(axis=axes, keepdims=True)
@@ -209,10 +211,10 @@ def layer_normalization_grad(ctx, node, dy, x, scale, mean, inv_std):
     lead_axes = tuple(range(axis))
     ct = np.promote_types(compute_dtype(x.dtype), mean.dtype)
     xp = ctx.xp
-    if (einsum_dtype(xp, ct) and x.size and 0 < axis and dy.shape == x.shape
+    if (summed_by_rows(ct) and x.size and 0 < axis and dy.shape == x.shape
             and per_row_params(x, axis, scale)):
-        dx, scale_grad, bias_grad = _layer_norm_grad_rows(dy, x, scale, mean, inv_std, ct)
-        return (dx.reshape(x.shape).astype(x.dtype, copy=False),
+        dx, scale_grad, bias_grad = _layer_norm_grad_rows(xp, dy, x, scale, mean, inv_std, ct)
+        return (dx.astype(x.dtype, copy=False),
                 scale_grad.reshape(scale.shape).astype(scale.dtype, copy=False),
                 bias_grad.reshape(scale.shape).astype(scale.dtype, copy=False))
     dy_c, x_c, scale_c = (a.astype(ct, copy=False) for a in (dy, x, scale))
@@ -245,9 +247,9 @@ def _sum_to(grad, shape):
     return grad.sum(axis=axes).reshape(shape) if axes else grad.reshape(shape)
 
 
-def _layer_norm_grad_rows(dy, x, scale, mean, inv_std, ct):
-    """NumPy float32/float64 on (rows, D) views: the row means with einsum and the
-    parameter gradients' column sums by einsum (see row_sums, column_sums; issue 15)."""
+def _layer_norm_grad_rows(xp, dy, x, scale, mean, inv_std, ct):
+    """float32/float64 (every backend) on (rows, D) views: the row means and the parameter
+    gradients' column sums by einsum (see row_sums, column_sums; issue 15)."""
     rows = mean.size
     width = x.size // rows
     dy2 = dy.astype(ct, copy=False).reshape(rows, width)
@@ -256,20 +258,22 @@ def _layer_norm_grad_rows(dy, x, scale, mean, inv_std, ct):
     xhat = x.astype(ct, copy=False).reshape(rows, width) - mean1
     xhat *= inv1
     scratch = dy2 * xhat
-    scale_grad = column_sums(scratch)
-    bias_grad = column_sums(dy2)
-    # inv_std * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * scale
-    dx = dy2 * scale1
-    dxhat_mean = row_sums(dx)
+    scale_grad = column_sums(xp, scratch)
+    bias_grad = column_sums(xp, dy2)
+    # inv_std * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * scale;
+    # allocated in x's shape (a reshaped (rows, D) array would be a view: not donated on)
+    result = xp.empty(x.shape, ct)
+    dx = xp.multiply(dy2, scale1, out=result.reshape(rows, width))
+    dxhat_mean = row_sums(xp, dx)
     dxhat_mean /= width
-    np.multiply(dx, xhat, out=scratch)
-    xhat_term = row_sums(scratch)
+    xp.multiply(dx, xhat, out=scratch)
+    xhat_term = row_sums(xp, scratch)
     xhat_term /= width
     dx -= dxhat_mean[:, None]
     xhat *= xhat_term[:, None]
     dx -= xhat
     dx *= inv1
-    return dx, scale_grad, bias_grad
+    return result, scale_grad, bias_grad
 
 
 @_ms("DropoutGrad")

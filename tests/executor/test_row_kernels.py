@@ -191,3 +191,18 @@ def test_reduce_sum_over_leading_trailing_and_other_axes(axes, keepdims, dtype):
     assert got.dtype == dtype and got.shape == want.shape
     np.testing.assert_allclose(got.astype(np.float64), want,
                                rtol=1e-2 if dtype == np.float16 else 1e-5, atol=1e-2)
+
+
+def test_row_paths_return_arrays_the_next_kernel_may_overwrite():
+    # a reshaped (rows, D) array is a view (it has a base): Session.run would not donate it
+    # to the next in-place kernel, which then writes into another input's layout
+    x = RNG.standard_normal((4, 6, 16)).astype(np.float32)
+    scale, bias = (RNG.standard_normal(16).astype(np.float32) for _ in range(2))
+    node = _node("LayerNormalization", "", 17, axis=-1, epsilon=1e-5, stash_type=1)
+    y, mean, inv_std = nn.layer_normalization(_ctx(), node, x, scale, bias)
+    dx, _, _ = training_ops.layer_normalization_grad(
+        _ctx(), _node("LayerNormalizationGrad", axis=-1), x.copy(), x, scale, mean, inv_std)
+    probs = _softmax(x, -1).astype(np.float32)
+    dsoft = training_ops.softmax_grad_13(_ctx(), _node("SoftmaxGrad_13", axis=-1), x, probs)
+    for result in (y, dx, dsoft):
+        assert result.base is None and result.flags.c_contiguous
