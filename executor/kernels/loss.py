@@ -5,7 +5,53 @@ from __future__ import annotations
 import numpy as np
 
 from ..registry import MS_DOMAIN, kernel
+from ._util import compute_dtype, summed_by_rows
 from .nn import log_softmax_over
+
+# Over this spread of the scores (max - min), every class axis is shifted by its own maximum;
+# within it by the tensor's maximum: exp(x - max) then lies in [exp(-64), 1], no overflow and
+# every slice's sum a normal number, and the shift is one scalar instead of a maximum over a
+# strided axis (issue 15)
+_GLOBAL_SHIFT_SPREAD = 64.0
+
+
+def _log_softmax_classes(xp, scores):
+    """log_softmax over axis 1 (the class axis of the losses)."""
+    ct = compute_dtype(scores.dtype)
+    # NumPy only: deciding on the spread reads it on the host (a GPU would wait for it)
+    if not (xp is np and summed_by_rows(ct) and scores.ndim >= 2 and scores.size):
+        return log_softmax_over(xp, scores, (1,))
+    data = scores.astype(ct, copy=False)
+    peak, low = data.max(), data.min()
+    if not peak - low <= _GLOBAL_SHIFT_SPREAD:  # also NaN or inf: the general path
+        return log_softmax_over(xp, scores, (1,))
+    n, classes = data.shape[:2]
+    shifted = data - peak
+    rest = shifted.size // (n * classes)
+    expd = np.exp(shifted)
+    # einsum's sums: each position's bits independent of the others (see row_sums)
+    sums = np.einsum("ncr->nr", expd.reshape(n, classes, rest)).reshape(n, 1, rest)
+    np.log(sums, out=sums)
+    out3 = shifted.reshape(n, classes, rest)
+    out3 -= sums
+    return shifted.astype(scores.dtype, copy=False)
+
+
+def _uniform_weight(labels, weights, ignore_index):
+    """Whether every element's weight is 1 (no class weights, nothing ignored)."""
+    return weights is None and (ignore_index is None or not (labels == ignore_index).any())
+
+
+def _pick(xp, log_prob, safe):
+    """log_prob[n, safe[n, ...], ...] for every position of the labels."""
+    if xp is not np:
+        picked = xp.take_along_axis(log_prob, xp.expand_dims(safe.astype(np.int64), 1), axis=1)
+        return xp.squeeze(picked, axis=1)
+    n, classes = log_prob.shape[:2]
+    rest = log_prob.size // (n * classes) if log_prob.size else 0
+    flat = log_prob.reshape(n, classes, rest)
+    picked = flat[np.arange(n)[:, None], safe.reshape(n, rest), np.arange(rest)[None, :]]
+    return picked.reshape(safe.shape)
 
 
 def _picked_weights(xp, labels, weights, ignore_index, dtype):
@@ -22,9 +68,18 @@ def _picked_weights(xp, labels, weights, ignore_index, dtype):
 
 
 def _nll(xp, log_prob, labels, weights, ignore_index, reduction):
+    if xp is np and log_prob.size and _uniform_weight(labels, weights, ignore_index):
+        # every weight 1: the same sums without the weight tensor (-p * 1 is -p)
+        loss = -_pick(xp, log_prob, labels)
+        if reduction == "none":
+            return loss
+        total = loss.sum(dtype=log_prob.dtype)
+        if reduction == "sum":
+            return total
+        count = np.ones(labels.shape, log_prob.dtype).sum(dtype=log_prob.dtype)
+        return (total / count).astype(log_prob.dtype)
     safe, w = _picked_weights(xp, labels, weights, ignore_index, log_prob.dtype)
-    picked = xp.take_along_axis(log_prob, xp.expand_dims(safe.astype(np.int64), 1), axis=1)
-    loss = -xp.squeeze(picked, axis=1) * w
+    loss = -_pick(xp, log_prob, safe) * w
     if reduction == "none":
         return loss
     if reduction == "sum":
@@ -40,7 +95,7 @@ def nll_loss(ctx, node, log_prob, labels, weights=None):
 
 @kernel("SoftmaxCrossEntropyLoss", since=12)
 def softmax_cross_entropy_loss(ctx, node, scores, labels, weights=None):
-    log_prob = log_softmax_over(ctx.xp, scores, (1,))
+    log_prob = _log_softmax_classes(ctx.xp, scores)
     loss = _nll(ctx.xp, log_prob, labels, weights, node.attrs.get("ignore_index"),
                 node.attr("reduction"))
     return loss, log_prob
@@ -50,13 +105,29 @@ def softmax_cross_entropy_loss(ctx, node, scores, labels, weights=None):
 def softmax_cross_entropy_loss_internal(ctx, node, scores, labels, weights=None, ignore_index=None):
     ignore = (node.attrs.get("ignore_index") if ignore_index is None
               else ctx.host_scalar(ignore_index))
-    log_prob = log_softmax_over(ctx.xp, scores, (1,))
+    log_prob = _log_softmax_classes(ctx.xp, scores)
     return (_nll(ctx.xp, log_prob, labels, weights, ignore, node.attr("reduction")),
             log_prob)
 
 
-def softmax_cross_entropy_grad(xp, dy, log_prob, labels, weights, ignore_index, reduction):
-    """d loss / d scores = (softmax - onehot(label)) * w[label] * (dY scaled by reduction)."""
+def softmax_cross_entropy_grad(xp, dy, log_prob, labels, weights, ignore_index, reduction,
+                               out=None):
+    """d loss / d scores = (softmax - onehot(label)) * w[label] * (dY scaled by reduction).
+    ``out``: an array of log_prob's shape and dtype for the result (may be log_prob)."""
+    if (xp is np and log_prob.size and reduction != "none"
+            and _uniform_weight(labels, weights, ignore_index)):
+        # the same operations on NumPy, without the one-hot mask and the broadcast weights:
+        # softmax - 1 at the labels only, then one scalar (1 * dY / count or 1 * dY)
+        factor = dy.reshape(())
+        if reduction == "mean":
+            factor = factor / np.ones(labels.shape, log_prob.dtype).sum(dtype=log_prob.dtype)
+        grad = np.exp(log_prob, out=out)
+        n, classes = grad.shape[:2]
+        rest = grad.size // (n * classes)
+        grad.reshape(n, classes, rest)[np.arange(n)[:, None], labels.reshape(n, rest),
+                                       np.arange(rest)[None, :]] -= 1
+        grad *= factor
+        return grad
     safe, w = _picked_weights(xp, labels, weights, ignore_index, log_prob.dtype)
     if reduction == "mean":
         w = w * (dy.reshape(()) / w.sum(dtype=log_prob.dtype))
@@ -71,11 +142,12 @@ def softmax_cross_entropy_grad(xp, dy, log_prob, labels, weights, ignore_index, 
     return grad.astype(log_prob.dtype, copy=False)
 
 
-@kernel("SoftmaxCrossEntropyLossGrad", domain=MS_DOMAIN)
-@kernel("SoftmaxCrossEntropyLossInternalGrad", domain=MS_DOMAIN)
+@kernel("SoftmaxCrossEntropyLossGrad", domain=MS_DOMAIN, inplace=True)
+@kernel("SoftmaxCrossEntropyLossInternalGrad", domain=MS_DOMAIN, inplace=True)
 def softmax_cross_entropy_loss_grad(ctx, node, dy, log_prob, labels, weights=None,
                                     ignore_index=None):
     ignore = (node.attrs.get("ignore_index") if ignore_index is None
               else ctx.host_scalar(ignore_index))
     return softmax_cross_entropy_grad(ctx.xp, dy, log_prob, labels, weights, ignore,
-                                      node.attr("reduction"))
+                                      node.attr("reduction"),
+                                      ctx.out_for(log_prob.shape, log_prob.dtype, log_prob))

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..registry import kernel
 from ._threads import parts_for, run_split
-from ._util import compute_dtype, norm_axis
+from ._util import compute_dtype, norm_axis, row_sums, summed_by_rows
 
 # rows per block: ~16K elements (64 KiB of float32), so that a block's five passes (max,
 # subtract, exp, sum, scale) run in L1/L2 instead of streaming the tensor five times
@@ -142,6 +142,27 @@ for _op, _fn in (("LogSoftmax", log_softmax_over), ("Hardmax", _hardmax_over)):
     kernel(_op, since=13)(lambda ctx, node, x, _fn=_fn: _fn(ctx.xp, x, single_axis(node, x)))
 
 
+def _layer_norm_rows(xp, x, axis, epsilon, stash_dtype):
+    """float32/float64 (every backend): (centered, mean, inv_std), the row statistics of the
+    (rows, D) view summed by einsum, mean and inv_std in the keepdims shape."""
+    rows = math.prod(x.shape[:axis])
+    width = x.size // rows if rows else 0
+    data = x.astype(stash_dtype, copy=False).reshape(rows, width)
+    mean = row_sums(xp, data)
+    mean /= width
+    # in x's shape (a reshaped (rows, D) array would be a view: not donated on)
+    result = xp.empty(x.shape, stash_dtype)
+    centered = xp.subtract(data, mean[:, None], out=result.reshape(rows, width))
+    squares = centered * centered
+    var = row_sums(xp, squares)
+    var /= width
+    var += epsilon
+    inv_std = xp.sqrt(var, out=var)
+    xp.divide(1.0, inv_std, out=inv_std)
+    stats_shape = x.shape[:axis] + (1,) * (x.ndim - axis)
+    return result, mean.reshape(stats_shape), inv_std.reshape(stats_shape)
+
+
 def layer_norm_stats(xp, x, axis, epsilon, stash_dtype):
     axes = tuple(range(axis, x.ndim))
     data = x.astype(stash_dtype, copy=False)
@@ -159,6 +180,14 @@ def layer_normalization(ctx, node, x, scale, bias=None):
     epsilon = node.attrs.get("epsilon", 1e-5)
     stash = np.dtype(np.float32) if node.attr("stash_type") == 1 else x.dtype
     stash = np.promote_types(stash, compute_dtype(x.dtype))
+    if summed_by_rows(stash) and x.size and 0 < axis and per_row_params(x, axis, scale, bias):
+        centered, mean, inv_std = _layer_norm_rows(xp, x, axis, epsilon, stash)
+        y = centered.reshape(mean.size, -1)  # a (rows, D) view: scaled in place
+        y *= inv_std.reshape(-1, 1)
+        y *= scale.reshape(-1)
+        if bias is not None:
+            y += bias.reshape(-1)
+        return centered.astype(x.dtype, copy=False), mean, inv_std
     centered, mean, inv_std = layer_norm_stats(xp, x, axis, epsilon, stash)
     y = centered  # a temporary of layer_norm_stats: scaled in place, same order
     y *= inv_std
@@ -166,6 +195,14 @@ def layer_normalization(ctx, node, x, scale, bias=None):
     if bias is not None:
         y += bias
     return y.astype(x.dtype, copy=False), mean, inv_std
+
+
+def per_row_params(x, axis, *params):
+    """Whether every parameter (scale, bias; None for absent) has one value per element of a
+    normalized row: the (rows, D) fast paths need them flat."""
+    width = math.prod(x.shape[axis:])
+    return all(p is None or (p.size == width and p.shape == x.shape[x.ndim - p.ndim:])
+               for p in params)
 
 
 @kernel("BatchNormalization", since=9)

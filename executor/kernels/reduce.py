@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..registry import kernel
-from ._util import compute_dtype, norm_axis
+from ._util import column_sums, compute_dtype, norm_axis, row_sums, summed_by_rows
 
 
 def _axes(ctx, node, x, axes_input):
@@ -55,6 +57,19 @@ _reduce_min = _extreme("min", _highest)
 
 
 def reduce_sum(xp, x, axes, keepdims):
+    axes = tuple(sorted(axes))
+    if (summed_by_rows(x.dtype) and x.size and len(axes) < x.ndim
+            and axes == tuple(range(axes[0], axes[0] + len(axes)))
+            and (axes[0] == 0 or axes[-1] == x.ndim - 1)):
+        # leading or trailing axes (a bias gradient, a row sum): einsum on the
+        # 2-D view, not NumPy's reduction (per-row overhead for short rows, issue 15)
+        kept = [n for i, n in enumerate(x.shape) if i not in axes]
+        if axes[0] == 0:
+            sums = column_sums(xp, x.reshape(-1, math.prod(kept)))
+        else:
+            sums = row_sums(xp, x.reshape(math.prod(kept), -1))
+        shape = [1 if i in axes else n for i, n in enumerate(x.shape)] if keepdims else kept
+        return sums.reshape(shape)
     return xp.sum(x, axis=axes, keepdims=keepdims, dtype=x.dtype)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from graphopt.vocabulary import YIELD_OP
@@ -9,8 +11,16 @@ from graphopt.vocabulary import YIELD_OP
 from ..errors import FeedError
 from ..registry import MS_DOMAIN, kernel
 from ._scatter import check_bounds, scatter_rows
-from ._util import compute_dtype, gelu_exact_grad, gelu_tanh_grad, norm_axis
-from .nn import coerced_axes, single_axis
+from ._util import (
+    column_sums,
+    compute_dtype,
+    gelu_exact_grad,
+    gelu_tanh_grad,
+    norm_axis,
+    row_sums,
+    summed_by_rows,
+)
+from .nn import coerced_axes, per_row_params, single_axis
 from .reduce import _axes, reduce_sum
 from .shape import slice_index, split_array, split_sizes
 
@@ -39,9 +49,24 @@ def yield_op(ctx, node, *module_outputs):
     return tuple(grads)
 
 
-def _softmax_grad(xp, dy, y, axes):
+def _softmax_grad(ctx, dy, y, axes):
+    xp = ctx.xp
     ct = compute_dtype(y.dtype)
     y32, dy32 = y.astype(ct, copy=False), dy.astype(ct, copy=False)
+    if summed_by_rows(ct) and y.size and axes[-1] == y.ndim - 1 and dy.shape == y.shape:
+        # trailing axes: (rows, D) views, the row sums by einsum, the result into dy when
+        # it is donated (dy is read elementwise before its element is written)
+        rows = math.prod(y.shape[:axes[0]])
+        y2, dy2 = y32.reshape(rows, -1), dy32.reshape(rows, -1)
+        total = row_sums(xp, y2 * dy2)
+        out = ctx.out_for(dy.shape, dy.dtype, dy) if ct == dy.dtype else None
+        if out is None or not out.flags.c_contiguous:  # (its (rows, D) view would be a copy)
+            # allocated in y's shape, not as a (rows, D) array reshaped: a view (an array
+            # with a base) is not donated to the next in-place kernel
+            out = xp.empty(y.shape, ct)
+        dx = xp.subtract(dy2, total[:, None], out=out.reshape(y2.shape))
+        dx *= y2
+        return out.astype(y.dtype, copy=False)
     # y * (dy - sum(y * dy)) in one buffer: the product's, reused once it is summed
     dx = y32 * dy32
     total = dx.sum(axis=axes, keepdims=True)
@@ -50,14 +75,14 @@ def _softmax_grad(xp, dy, y, axes):
     return dx.astype(y.dtype, copy=False)
 
 
-@_ms("SoftmaxGrad")
+@_ms("SoftmaxGrad", inplace=True)
 def softmax_grad(ctx, node, dy, y):
-    return _softmax_grad(ctx.xp, dy, y, coerced_axes(node, y, 1))
+    return _softmax_grad(ctx, dy, y, coerced_axes(node, y, 1))
 
 
-@_ms("SoftmaxGrad_13")
+@_ms("SoftmaxGrad_13", inplace=True)
 def softmax_grad_13(ctx, node, dy, y):
-    return _softmax_grad(ctx.xp, dy, y, single_axis(node, y))
+    return _softmax_grad(ctx, dy, y, single_axis(node, y))
 
 
 def _log_softmax_grad(xp, dy, log_y, axes):
@@ -82,8 +107,8 @@ def gather_grad(ctx, node, shape, indices, dy):
     indices = xp.where(indices < 0, indices + shape[axis], indices)
     check_bounds(ctx, indices, shape[axis], "GatherGrad")
     dx = xp.zeros(shape, dtype=dy.dtype)
-    outer = int(np.prod(shape[:axis], dtype=np.int64))
-    inner = int(np.prod(shape[axis + 1:], dtype=np.int64))
+    outer = math.prod(shape[:axis])
+    inner = math.prod(shape[axis + 1:])
     n = int(indices.size)
     # Deterministic on every device (no atomics): see _scatter. Rows are (outer, index)
     # pairs of the (outer * dim, inner) view of dx, in dy's order.
@@ -185,15 +210,22 @@ def layer_normalization_grad(ctx, node, dy, x, scale, mean, inv_std):
     norm_axes = tuple(range(axis, x.ndim))
     lead_axes = tuple(range(axis))
     ct = np.promote_types(compute_dtype(x.dtype), mean.dtype)
-    dy_c, x_c, scale_c = (a.astype(ct, copy=False) for a in (dy, x, scale))
     xp = ctx.xp
+    if (summed_by_rows(ct) and x.size and 0 < axis and dy.shape == x.shape
+            and per_row_params(x, axis, scale)):
+        dx, scale_grad, bias_grad = _layer_norm_grad_rows(xp, dy, x, scale, mean, inv_std, ct)
+        return (dx.astype(x.dtype, copy=False),
+                scale_grad.reshape(scale.shape).astype(scale.dtype, copy=False),
+                bias_grad.reshape(scale.shape).astype(scale.dtype, copy=False))
+    dy_c, x_c, scale_c = (a.astype(ct, copy=False) for a in (dy, x, scale))
     # inv_std * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)) on three buffers (xhat,
     # dxhat, one scratch) instead of nine temporaries; the same operations in the same order
     xhat = x_c - mean
     xhat *= inv_std
     scratch = dy_c * xhat
-    scale_grad = scratch.sum(axis=lead_axes).reshape(scale.shape)
-    bias_grad = dy_c.sum(axis=lead_axes).reshape(scale.shape)
+    # a scale that broadcasts over some normalized axes gets their sum too
+    scale_grad = _sum_to(scratch.sum(axis=lead_axes), scale.shape)
+    bias_grad = _sum_to(dy_c.sum(axis=lead_axes), scale.shape)
     dxhat = dy_c * scale_c
     xp.multiply(dxhat, xhat, out=scratch)
     xhat_term = scratch.mean(axis=norm_axes, keepdims=True)
@@ -204,6 +236,44 @@ def layer_normalization_grad(ctx, node, dy, x, scale, mean, inv_std):
     dx *= inv_std
     return (dx.astype(x.dtype, copy=False), scale_grad.astype(scale.dtype, copy=False),
             bias_grad.astype(scale.dtype, copy=False))
+
+
+def _sum_to(grad, shape):
+    """``grad`` summed over the axes along which an operand of ``shape`` was broadcast."""
+    shape = tuple(shape)
+    lead = grad.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(shape)
+                                      if n == 1 and grad.shape[lead + i] != 1)
+    return grad.sum(axis=axes).reshape(shape) if axes else grad.reshape(shape)
+
+
+def _layer_norm_grad_rows(xp, dy, x, scale, mean, inv_std, ct):
+    """float32/float64 (every backend) on (rows, D) views: the row means and the parameter
+    gradients' column sums by einsum (see row_sums, column_sums; issue 15)."""
+    rows = mean.size
+    width = x.size // rows
+    dy2 = dy.astype(ct, copy=False).reshape(rows, width)
+    scale1 = scale.astype(ct, copy=False).reshape(width)
+    mean1, inv1 = (a.astype(ct, copy=False).reshape(rows, 1) for a in (mean, inv_std))
+    xhat = x.astype(ct, copy=False).reshape(rows, width) - mean1
+    xhat *= inv1
+    scratch = dy2 * xhat
+    scale_grad = column_sums(xp, scratch)
+    bias_grad = column_sums(xp, dy2)
+    # inv_std * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * scale;
+    # allocated in x's shape (a reshaped (rows, D) array would be a view: not donated on)
+    result = xp.empty(x.shape, ct)
+    dx = xp.multiply(dy2, scale1, out=result.reshape(rows, width))
+    dxhat_mean = row_sums(xp, dx)
+    dxhat_mean /= width
+    xp.multiply(dx, xhat, out=scratch)
+    xhat_term = row_sums(xp, scratch)
+    xhat_term /= width
+    dx -= dxhat_mean[:, None]
+    xhat *= xhat_term[:, None]
+    dx -= xhat
+    dx *= inv1
+    return result, scale_grad, bias_grad
 
 
 @_ms("DropoutGrad")

@@ -37,3 +37,19 @@ def test_rounds_only_where_they_pay():
     assert _scatter._rounds_may_pay(1024, 256, 30)
     # narrow rows, many duplicates (2000 rounds of 3 values): ufunc.at
     assert not _scatter._rounds_may_pay(2000 * 5, 3, 2000)
+
+
+@pytest.mark.parametrize("reduction", list(UFUNCS))
+def test_skewed_rows_keep_ufunc_at_bits(reduction):
+    # rounds of very different sizes (one row takes half the updates, many rows one): the
+    # accumulator's rows are ordered by update count, each round a prefix of them
+    rng = np.random.default_rng(5)
+    rows = np.where(rng.random(1024) < 0.5, 7, rng.integers(0, 300, size=1024))
+    updates = rng.standard_normal((1024, 512)).astype(np.float32)
+    assert _scatter._rounds_may_pay(1024, 512, int(np.bincount(rows).max()))
+    base = rng.standard_normal((300, 512)).astype(np.float32)
+    want = base.copy()
+    UFUNCS[reduction].at(want, rows, updates)
+    got = base.copy()
+    _scatter.scatter_rows(_ctx(), got, rows, updates, reduction)
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
