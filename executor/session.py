@@ -359,9 +359,9 @@ def _donations(step, args, values) -> tuple:
                 or not array.flags.writeable or 0 in array.strides):
             continue
         base = array.base
-        # numpy points a view's base at the array owning the memory; two references to
-        # that owner: this view's base and getrefcount's argument
+        # numpy points a view's base at the array owning the memory; three references to
+        # that owner: this view's base, the local ``base`` and getrefcount's argument
         if base is None or (type(base) is np.ndarray and base.base is None
-                            and sys.getrefcount(base) == 2):
+                            and sys.getrefcount(base) == 3):
             donated.append(array)
     return tuple(donated)

@@ -69,3 +69,24 @@ def test_donation_happens_for_a_dying_intermediate():
     out = session.run({"x": np.ones((3, 4), np.float32)})
     np.testing.assert_array_equal(out["b"], np.full((3, 4), 4.0, np.float32))
     assert seen == [True]
+
+
+def test_a_dying_view_whose_owner_nothing_else_holds_is_donated():
+    # attention scores are a transposed view of the GEMM's output: Softmax may overwrite them
+    nodes = [helper.make_node("Mul", ["x", "two"], ["a"]),
+             helper.make_node("Transpose", ["a"], ["t"], perm=[1, 0]),   # t: a view of a
+             helper.make_node("Softmax", ["t"], ["s"], axis=-1)]
+    session = Session(_model(nodes, ["s"]), device="cpu")
+    seen = []
+    kernel = session.plan().steps[2].fn
+
+    def spy(ctx, node, t):
+        seen.append(any(t is d for d in ctx.donated))
+        return kernel(ctx, node, t)
+
+    session.plan().steps[2].fn = spy
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    out = session.run({"x": x})
+    e = np.exp(2 * x.T - (2 * x.T).max(-1, keepdims=True))
+    np.testing.assert_allclose(out["s"], e / e.sum(-1, keepdims=True), rtol=1e-6)
+    assert seen == [True]
