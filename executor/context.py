@@ -34,11 +34,19 @@ class KernelContext:
         self._host_constants: dict[int, tuple[Any, np.ndarray]] = {}
         self._host_made: dict[int, tuple[Any, np.ndarray]] = {}
 
-    def out_for(self, shape, dtype, *candidates):
+    def out_for(self, shape, dtype, *candidates, any_layout: bool = False):
         """A donated input among ``candidates`` that can hold a result of ``shape`` and
-        ``dtype`` (for ``out=``), or None: the caller then allocates as usual."""
+        ``dtype`` (for ``out=``), or None: the caller then allocates as usual.
+
+        A donated view (a transposed one, say) is handed out only to a kernel that says
+        ``any_layout``: one that lays out its result as its input either way. Another
+        kernel would leave its result in the view's layout where it would have allocated
+        another, and the layout decides the order in which later reductions add: the bits
+        would then depend on which buffers happened to be reused (and differ from a GPU
+        run's, which reuses none)."""
         for array in candidates:
             if (array.shape == shape and array.dtype == dtype
+                    and (any_layout or array.base is None)
                     and any(array is d for d in self.donated)):
                 return array
         return None

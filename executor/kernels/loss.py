@@ -8,30 +8,20 @@ from ..registry import MS_DOMAIN, kernel
 from ._util import compute_dtype, summed_by_rows
 from .nn import log_softmax_over
 
-# Over this spread of the scores (max - min), every class axis is shifted by its own maximum;
-# within it by the tensor's maximum: exp(x - max) then lies in [exp(-64), 1], no overflow and
-# every slice's sum a normal number, and the shift is one scalar instead of a maximum over a
-# strided axis (issue 15)
-_GLOBAL_SHIFT_SPREAD = 64.0
-
 
 def _log_softmax_classes(xp, scores):
-    """log_softmax over axis 1 (the class axis of the losses)."""
+    """log_softmax over axis 1 (the class axis of the losses): each (sample, position)'s
+    classes summed by einsum (each sum's bits independent of the others, see row_sums), the
+    same operations on every backend, so that a GPU run computes what the CPU run computes."""
     ct = compute_dtype(scores.dtype)
-    # NumPy only: deciding on the spread reads it on the host (a GPU would wait for it)
-    if not (xp is np and summed_by_rows(ct) and scores.ndim >= 2 and scores.size):
+    if not (summed_by_rows(ct) and scores.ndim >= 2 and scores.size):
         return log_softmax_over(xp, scores, (1,))
     data = scores.astype(ct, copy=False)
-    peak, low = data.max(), data.min()
-    if not peak - low <= _GLOBAL_SHIFT_SPREAD:  # also NaN or inf: the general path
-        return log_softmax_over(xp, scores, (1,))
     n, classes = data.shape[:2]
-    shifted = data - peak
-    rest = shifted.size // (n * classes)
-    expd = np.exp(shifted)
-    # einsum's sums: each position's bits independent of the others (see row_sums)
-    sums = np.einsum("ncr->nr", expd.reshape(n, classes, rest)).reshape(n, 1, rest)
-    np.log(sums, out=sums)
+    rest = data.size // (n * classes)
+    shifted = data - data.max(axis=1, keepdims=True)  # a new C-ordered array
+    sums = xp.einsum("ncr->nr", xp.exp(shifted).reshape(n, classes, rest)).reshape(n, 1, rest)
+    xp.log(sums, out=sums)
     out3 = shifted.reshape(n, classes, rest)
     out3 -= sums
     return shifted.astype(scores.dtype, copy=False)

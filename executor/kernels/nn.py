@@ -19,8 +19,9 @@ _SOFTMAX_BLOCK = 1 << 16
 
 def softmax_over(xp, x, axes, out=None):
     """Softmax of x over ``axes`` in x's compute dtype; ``out``, when given, is an array of
-    x's shape and dtype that may be x itself. Trailing softmax axes (the usual case) are
-    done as rows in x's own memory layout (attention scores are often a transposed view):
+    x's shape and dtype that may be x itself (the result has x's layout either way).
+    Trailing softmax axes (the usual case) are done as rows in x's own memory layout
+    (attention scores are often a transposed view):
     on NumPy row block by row block, on several threads when large; the same operations in
     one go on a GPU (so both give the same numbers)."""
     ct = compute_dtype(x.dtype)
@@ -127,14 +128,18 @@ def single_axis(node, x):
     return (norm_axis(node.attrs.get("axis", -1), x.ndim),)
 
 
+def _donated_x(ctx, x):
+    return ctx.out_for(x.shape, x.dtype, x, any_layout=True)  # softmax keeps x's layout
+
+
 @kernel("Softmax", until=12, inplace=True)
 def softmax_coerced(ctx, node, x):
-    return softmax_over(ctx.xp, x, coerced_axes(node, x, 1), ctx.out_for(x.shape, x.dtype, x))
+    return softmax_over(ctx.xp, x, coerced_axes(node, x, 1), _donated_x(ctx, x))
 
 
 @kernel("Softmax", since=13, inplace=True)
 def softmax(ctx, node, x):
-    return softmax_over(ctx.xp, x, single_axis(node, x), ctx.out_for(x.shape, x.dtype, x))
+    return softmax_over(ctx.xp, x, single_axis(node, x), _donated_x(ctx, x))
 
 
 for _op, _fn in (("LogSoftmax", log_softmax_over), ("Hardmax", _hardmax_over)):
