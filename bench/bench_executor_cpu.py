@@ -29,6 +29,11 @@ from onnx import TensorProto, helper, numpy_helper
 BATCH, SEQ, HIDDEN, HEADS = 8, 256, 1024, 16
 HEAD_DIM = HIDDEN // HEADS
 SECTION = "Executor CPU: MQA block inference (issues 4, 15)"
+# untimed runs in each process first: the executor's first runs after start-up take up to 1.6x
+# its steady time (its 33 MB tensors' pages, glibc's heap growing to the run's peak; measured
+# 230-270 ms for the first four timed runs after two warm-ups, then 155-185), onnxruntime's
+# are steady from the first; every runtime gets the same warm-up
+WARMUP = 6
 
 
 def build_mqa_block() -> onnx.ModelProto:
@@ -117,7 +122,7 @@ def worker(runtime: str, runs: int) -> None:
     run, feeds = _runner(runtime, build_mqa_block()), _inputs()
     if runtime == "check":
         return
-    worker_report(time_calls(lambda: run(feeds), runs))
+    worker_report(time_calls(lambda: run(feeds), runs, warmup=WARMUP))
 
 
 def check() -> None:
@@ -148,10 +153,11 @@ def main(argv=None) -> int:
     table = [
         f"Falcon-style MQA attention block, float32, batch {BATCH}, seq {SEQ}, hidden {HIDDEN}, "
         f"{HEADS} heads (+1 shared K/V head). Each runtime in processes of its own (3 rounds, "
-        f"the runtimes taking turns), warm-up, then {len(results['graphopt']['times'])} timed "
-        "runs each. onnxruntime runs its default graph optimizations (its Split and "
-        "MatMul-scale fusions among them); graphopt's executor is timed on the graph "
-        "`graphopt optimize` writes (the same two fusions) and on the graph as built.",
+        f"the runtimes taking turns), {WARMUP} warm-up runs in each process, then "
+        f"{len(results['graphopt']['times'])} timed runs each. onnxruntime runs its default "
+        "graph optimizations (its Split and MatMul-scale fusions among them); graphopt's "
+        "executor is timed on the graph `graphopt optimize` writes (the same two fusions) "
+        "and on the graph as built.",
         "",
         "| Runtime | median ms | min ms | median vs onnxruntime |",
         "|---|---|---|---|",
