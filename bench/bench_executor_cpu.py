@@ -30,9 +30,10 @@ BATCH, SEQ, HIDDEN, HEADS = 8, 256, 1024, 16
 HEAD_DIM = HIDDEN // HEADS
 SECTION = "Executor CPU: MQA block inference (issues 4, 15)"
 # untimed runs in each process first: the executor's first runs after start-up take up to 1.6x
-# its steady time (its 33 MB tensors' pages, glibc's heap growing to the run's peak; measured
-# 230-270 ms for the first four timed runs after two warm-ups, then 155-185), onnxruntime's
-# are steady from the first; every runtime gets the same warm-up
+# its steady time (230-270 ms for the first four timed runs after two warm-ups, then 155-185):
+# NumPy asks for huge pages for its 33 MB tensors and the kernel compacts memory for them,
+# 70-120 ms of system time a run for the first six runs, then 0-30 ms; onnxruntime's runs are
+# steady from the first; every runtime gets the same warm-up
 WARMUP = 6
 
 
