@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from support.cupy_api import RecordingXp
+from support.gpu import cupy_with_a_device
 from support.training_runs import MLP, mlp_data, write_npz
 
 from graphopt.executor.backend import ArrayBackend
@@ -43,12 +44,7 @@ def test_device_resident_run_equals_the_host_run(tmp_path, optimizer, precision,
 
 @pytest.mark.gpu
 def test_gpu_run_keeps_weights_on_the_device_and_matches_the_host(tmp_path):
-    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("CuPy found no device")
-    except Exception as exc:  # noqa: BLE001 - no driver
-        pytest.skip(f"CuPy cannot reach a device: {exc}")
+    cupy = cupy_with_a_device()
     host = run(options(tmp_path))
     device = run(options(tmp_path, device="cuda" if not cupy.cuda.runtime.is_hip else "rocm"))
     for name, value in host.result.params.items():  # GEMM summation order differs

@@ -10,6 +10,7 @@ import subprocess
 
 import numpy as np
 import pytest
+from support.gpu import cupy_with_a_device
 
 from graphopt.trainer.optimizers import ADAMW_BODY, AdamW, array_module, to_host
 
@@ -86,12 +87,7 @@ def test_cupy_accepts_the_kernel_declaration():
 
 @pytest.mark.gpu
 def test_fused_kernel_on_the_device_gives_the_host_bits():
-    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("CuPy found no device")
-    except Exception as exc:  # noqa: BLE001 - no driver
-        pytest.skip(f"CuPy cannot reach a device: {exc}")
+    cupy = cupy_with_a_device()
     rng = np.random.default_rng(9)
     host, device = AdamW(lr=3e-3, weight_decay=0.1), AdamW(lr=3e-3, weight_decay=0.1)
     for dtype in (np.float32, np.float16):

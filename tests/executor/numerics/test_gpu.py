@@ -3,6 +3,7 @@ tolerance for the GEMMs (summation order differs). Skipped without CuPy or a dev
 
 import numpy as np
 import pytest
+from support.gpu import cupy_with_a_device
 
 from graphopt.executor.numerics import Fp16Policy, Numerics
 from graphopt.executor.numerics import fp16_bits as host_bits
@@ -12,12 +13,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def cp():
-    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("CuPy found no CUDA/ROCm device")
-    except Exception as exc:  # no driver: CuPy raises its own runtime error types
-        pytest.skip(f"CuPy cannot reach a device: {exc}")
+    cupy = cupy_with_a_device()
     return cupy
 
 
