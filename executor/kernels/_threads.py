@@ -76,3 +76,16 @@ def run_split(fn, rows: int, parts: int) -> None:
             if not future.cancel():  # started: it finishes the one piece it holds
                 future.result()
         job[0] = None
+
+
+def run_blocks(fn, count: int, block: int, size: int | None = None) -> None:
+    """``fn(start, stop)`` over ``range(count)`` cut in blocks of ``block`` (so that a block's
+    passes run in cache), the blocks shared out over threads as ``parts_for`` decides for
+    ``size`` elements (default: ``count``). Every block is the same whatever the cut."""
+    blocks = -(-count // block)
+
+    def work(first, last):
+        for b in range(first, last):
+            fn(b * block, min((b + 1) * block, count))
+
+    run_split(work, blocks, parts_for(count if size is None else size, blocks))

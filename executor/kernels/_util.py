@@ -7,7 +7,7 @@ import math
 import numpy as np
 import onnx
 
-from ._threads import parts_for, run_split
+from ._threads import run_blocks
 
 _SQRT_HALF = math.sqrt(0.5)
 
@@ -151,23 +151,17 @@ def _gelu_grad_block(x, out, z, pq):
 def _blockwise(block, x):
     """``block(x_part, out_part, z, pq)`` over blocks of _ERF32_CHUNK elements of x (float32
     or float16; the result has x's dtype) with float32 scratch ``z`` (n,) and ``pq`` (2, n),
-    split over threads as run_split decides. Each block is computed the same way wherever the
+    split over threads as run_blocks decides. Each block is computed the same way wherever the
     cuts fall."""
     flat = np.ascontiguousarray(x).reshape(-1)
     out = np.empty(flat.shape, x.dtype)
-    blocks = -(-flat.size // _ERF32_CHUNK)
 
-    def run(first, last):
-        begin, end = first * _ERF32_CHUNK, min(last * _ERF32_CHUNK, flat.size)
-        size = min(_ERF32_CHUNK, end - begin)
-        if size <= 0:
-            return
-        z, pq = np.empty(size, np.float32), np.empty((2, size), np.float32)
-        for start in range(begin, end, _ERF32_CHUNK):
-            n = min(start + _ERF32_CHUNK, end) - start
-            block(flat[start:start + n], out[start:start + n], z[:n], pq[:, :n])
+    def run(start, stop):
+        n = stop - start
+        block(flat[start:stop], out[start:stop], np.empty(n, np.float32),
+              np.empty((2, n), np.float32))
 
-    run_split(run, blocks, parts_for(flat.size, blocks))
+    run_blocks(run, flat.size, _ERF32_CHUNK)
     return out.reshape(x.shape)
 
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from ..registry import kernel
-from ._threads import parts_for, run_split
+from ._threads import parts_for, run_blocks, run_split
 from ._util import erf, gelu_exact, gelu_tanh, in_compute_dtype, np_dtype
 
 
@@ -215,17 +215,14 @@ def _in_passes(ctx, passes, x):
     if out is None:
         out = np.empty_like(x)
     flat, flat_out = x.reshape(-1), out.reshape(-1)
-    block = 1 << 15  # elements: the passes of a block run in cache
 
-    def work(first, last):
-        for start in range(first * block, min(last * block, flat.size), block):
-            piece = flat_out[start:start + block]
-            passes[0](flat[start:start + block], out=piece)
-            for ufunc in passes[1:]:
-                ufunc(piece, out=piece)
+    def piece(start, stop):
+        part = flat_out[start:stop]
+        passes[0](flat[start:stop], out=part)
+        for ufunc in passes[1:]:
+            ufunc(part, out=part)
 
-    blocks = -(-flat.size // block)
-    run_split(work, blocks, min(parts, blocks))
+    run_blocks(piece, flat.size, 1 << 15)  # 32K elements: a block's passes run in cache
     return out
 
 

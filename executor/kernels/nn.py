@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from ..registry import kernel
-from ._threads import parts_for, run_split
+from ._threads import run_blocks
 from ._util import compute_dtype, norm_axis, row_sums, summed_by_rows
 
 # rows per block: ~64K elements (256 KiB of float32), so that a block's five passes (max,
@@ -78,17 +78,10 @@ def _softmax_rows(xp, x, rows, out):
         xp.reciprocal(total, out=total)
         dst *= total[:, None]
 
-    if xp is not np:
+    if xp is np:
+        run_blocks(rows_of, count, max(1, _SOFTMAX_BLOCK // width), x.size)
+    else:
         rows_of(0, count)
-        return result
-    per_block = max(1, _SOFTMAX_BLOCK // width)
-    blocks = -(-count // per_block)
-
-    def work(first, last):
-        for b in range(first, last):
-            rows_of(b * per_block, min((b + 1) * per_block, count))
-
-    run_split(work, blocks, parts_for(x.size, blocks))
     return result
 
 
