@@ -45,6 +45,16 @@ def column_sums(xp, x2d):
     return xp.einsum("ij->j", x2d)
 
 
+def sums_over(xp, x, axes):
+    """``x.sum(axis=axes, keepdims=True)``; over one axis of a float32/float64 array by einsum,
+    as row_sums (each sum's bits independent of the others, the same call on every backend)."""
+    if len(axes) != 1 or not summed_by_rows(x.dtype) or not x.size or x.ndim > 26:
+        return x.sum(axis=axes, keepdims=True)
+    letters = "abcdefghijklmnopqrstuvwxyz"[:x.ndim]
+    kept = letters[:axes[0]] + letters[axes[0] + 1:]
+    return xp.expand_dims(xp.einsum(f"{letters}->{kept}", x), axes[0])
+
+
 def summed_by_rows(dtype) -> bool:
     """Whether the row kernels' (rows, D) paths apply: float32/float64 (half precision is
     computed in float32 before)."""

@@ -5,26 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..registry import MS_DOMAIN, kernel
-from ._util import compute_dtype, summed_by_rows
 from .nn import log_softmax_over
-
-
-def _log_softmax_classes(xp, scores):
-    """log_softmax over axis 1 (the class axis of the losses): each (sample, position)'s
-    classes summed by einsum (each sum's bits independent of the others, see row_sums), the
-    same operations on every backend, so that a GPU run computes what the CPU run computes."""
-    ct = compute_dtype(scores.dtype)
-    if not (summed_by_rows(ct) and scores.ndim >= 2 and scores.size):
-        return log_softmax_over(xp, scores, (1,))
-    data = scores.astype(ct, copy=False)
-    n, classes = data.shape[:2]
-    rest = data.size // (n * classes)
-    shifted = data - data.max(axis=1, keepdims=True)  # a new C-ordered array
-    sums = xp.einsum("ncr->nr", xp.exp(shifted).reshape(n, classes, rest)).reshape(n, 1, rest)
-    xp.log(sums, out=sums)
-    out3 = shifted.reshape(n, classes, rest)
-    out3 -= sums
-    return shifted.astype(scores.dtype, copy=False)
 
 
 def _uniform_weight(labels, weights, ignore_index):
@@ -85,7 +66,7 @@ def nll_loss(ctx, node, log_prob, labels, weights=None):
 
 @kernel("SoftmaxCrossEntropyLoss", since=12)
 def softmax_cross_entropy_loss(ctx, node, scores, labels, weights=None):
-    log_prob = _log_softmax_classes(ctx.xp, scores)
+    log_prob = log_softmax_over(ctx.xp, scores, (1,))
     loss = _nll(ctx.xp, log_prob, labels, weights, node.attrs.get("ignore_index"),
                 node.attr("reduction"))
     return loss, log_prob
@@ -95,7 +76,7 @@ def softmax_cross_entropy_loss(ctx, node, scores, labels, weights=None):
 def softmax_cross_entropy_loss_internal(ctx, node, scores, labels, weights=None, ignore_index=None):
     ignore = (node.attrs.get("ignore_index") if ignore_index is None
               else ctx.host_scalar(ignore_index))
-    log_prob = _log_softmax_classes(ctx.xp, scores)
+    log_prob = log_softmax_over(ctx.xp, scores, (1,))
     return (_nll(ctx.xp, log_prob, labels, weights, ignore, node.attr("reduction")),
             log_prob)
 

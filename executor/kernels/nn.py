@@ -8,7 +8,7 @@ import numpy as np
 
 from ..registry import kernel
 from ._threads import run_blocks
-from ._util import compute_dtype, norm_axis, row_sums, summed_by_rows
+from ._util import compute_dtype, norm_axis, row_sums, summed_by_rows, sums_over
 
 # rows per block: ~64K elements (256 KiB of float32), so that a block's five passes (max,
 # subtract, exp, sum, scale) run in L2 instead of streaming the tensor five times; smaller
@@ -96,7 +96,7 @@ def log_softmax_over(xp, x, axes):
     ct = compute_dtype(x.dtype)
     data = x if ct == x.dtype else x.astype(ct)
     out = data - data.max(axis=axes, keepdims=True)
-    out -= xp.log(xp.exp(out).sum(axis=axes, keepdims=True))
+    out -= xp.log(sums_over(xp, xp.exp(out), axes))
     return out if ct == x.dtype else out.astype(x.dtype)
 
 
