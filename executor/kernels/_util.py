@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -24,6 +25,13 @@ def compute_dtype(dtype) -> np.dtype:
     """Float16/bfloat16 math runs in float32 and is rounded back, as GPU kernels do."""
     dtype = np.dtype(dtype)
     return np.dtype(np.float32) if dtype.itemsize < 4 and dtype.kind in "fV" else dtype
+
+
+@functools.lru_cache(maxsize=4096)
+def broadcast_shape(a: tuple, b: tuple) -> tuple:
+    """``np.broadcast_shapes(a, b)``, remembered: a graph meets the same few shape pairs at
+    every step, and NumPy's own takes microseconds."""
+    return np.broadcast_shapes(a, b)
 
 
 def row_sums(xp, x2d):

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
 
 from ..registry import kernel
 from ._threads import parts_for, run_blocks, run_split
-from ._util import erf, gelu_exact, gelu_tanh, in_compute_dtype, np_dtype
+from ._util import broadcast_shape, erf, gelu_exact, gelu_tanh, in_compute_dtype, np_dtype
 
 
 def _same_dtype(xp, result, dtype):
@@ -17,18 +16,12 @@ def _same_dtype(xp, result, dtype):
 
 
 # ---- binary arithmetic ---------------------------------------------------------------
-@functools.lru_cache(maxsize=4096)
-def _broadcast_shape(a: tuple, b: tuple) -> tuple:
-    # a graph meets the same few shape pairs at every step; numpy's own takes microseconds
-    return np.broadcast_shapes(a, b)
-
-
 def _binary(ctx, ufunc, a, b):
     """``ufunc(a, b)``, written into a donated input of the result's shape and dtype; large
     NumPy results are computed in row blocks on several threads."""
     if a.dtype != b.dtype:
         return ufunc(a, b)
-    shape = a.shape if a.shape == b.shape else _broadcast_shape(a.shape, b.shape)
+    shape = a.shape if a.shape == b.shape else broadcast_shape(a.shape, b.shape)
     out = ctx.out_for(shape, a.dtype, a, b) if ctx.donated else None
     rows = shape[0] if shape else 1
     parts = parts_for(math.prod(shape), rows) if ctx.xp is np else 1
@@ -107,7 +100,7 @@ def sum_(ctx, node, *xs):
         return xs[0].copy()
     result = _binary(ctx, ctx.xp.add, xs[0], xs[1])
     for x in xs[2:]:
-        if x.dtype == result.dtype and _broadcast_shape(result.shape, x.shape) == result.shape:
+        if x.dtype == result.dtype and broadcast_shape(result.shape, x.shape) == result.shape:
             ctx.xp.add(result, x, out=result)
         else:
             result = ctx.xp.add(result, x)

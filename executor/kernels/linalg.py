@@ -8,7 +8,7 @@ import numpy as np
 
 from .. import gemm
 from ..registry import MS_DOMAIN, kernel
-from ._util import compute_dtype
+from ._util import broadcast_shape, compute_dtype
 
 
 @kernel("MatMul", gemm=True)
@@ -70,7 +70,7 @@ _SCALED_INPUT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 def _product_size(a, b) -> int:
     if a.ndim < 2 or b.ndim < 2:
         return 0  # a vector product: as small as its operands, scale the result
-    batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    batch = broadcast_shape(a.shape[:-2], b.shape[:-2])
     return math.prod(batch) * a.shape[-2] * b.shape[-1]
 
 
