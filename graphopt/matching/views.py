@@ -2,8 +2,6 @@
 whose attributes are the pattern's bindings."""
 from __future__ import annotations
 
-import collections
-
 import numpy as np
 
 from ..ir import Graph
@@ -96,7 +94,7 @@ class Match:
             kind = self.__dict__["_kinds"][name]
         except KeyError:
             raise AttributeError(f"pattern binds no '{name}'") from None
-        return _VIEWS[kind](name).__get__(self, type(self))
+        return _Binding(name, kind).__get__(self, type(self))
 
     def get(self, name: str, default=None):
         return getattr(self, name) if name in self._bindings else default
@@ -110,53 +108,33 @@ class Match:
         return self._graph.model.opset("") or 1
 
 
-class _TensorBinding:
-    """A binding's view, made on first access and then kept in the instance's __dict__
-    (a non-data descriptor: the instance attribute wins from then on)."""
+class _Binding:
+    """A binding's view: ``make(graph, bound)`` on first access, then kept in the instance's
+    __dict__ when ``keep`` (a non-data descriptor: the instance attribute wins from then on).
+    ``kind`` names what ``make`` builds, see _MAKERS."""
 
-    __slots__ = ("name",)
+    __slots__ = ("name", "make", "keep")
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, kind: str):
         self.name = name
+        self.make, self.keep = _MAKERS.get(kind, _VALUE)
 
     def __get__(self, m, owner=None):
         if m is None:
             return self
-        view = m.__dict__[self.name] = TensorView(m._graph, m._bindings[self.name])
-        return view
-
-
-class _NodeBinding(_TensorBinding):
-    __slots__ = ()
-
-    def __get__(self, m, owner=None):
-        if m is None:
-            return self
-        view = m.__dict__[self.name] = NodeView(m._graph, m._bindings[self.name])
-        return view
-
-
-class _ValueBinding(_TensorBinding):
-    __slots__ = ()
-
-    def __get__(self, m, owner=None):
-        if m is None:
-            return self
-        value = m.__dict__[self.name] = m._bindings[self.name]
+        if not self.keep:
+            return self.make(m._graph, m._bindings[self.name])
+        value = m.__dict__[self.name] = self.make(m._graph, m._bindings[self.name])
         return value
 
 
-class _NodesBinding(_TensorBinding):
-    __slots__ = ()
-
-    def __get__(self, m, owner=None):
-        if m is None:
-            return self
-        return [NodeView(m._graph, i) for i in m._bindings[self.name]]
-
-
-_VIEWS = {"tensor": _TensorBinding, "node": _NodeBinding, "nodes": _NodesBinding}
-_VIEWS = collections.defaultdict(lambda: _ValueBinding, _VIEWS)
+_VALUE = (lambda graph, value: value, True)  # attributes, constants: the bound value itself
+_MAKERS = {
+    "tensor": (TensorView, True),
+    "node": (NodeView, True),
+    # a fresh list each time, as before: a caller may change the one it got
+    "nodes": (lambda graph, ids: [NodeView(graph, i) for i in ids], False),
+}
 _OWN_NAMES = frozenset(dir(Match)) | {"_graph", "_bindings", "_kinds", "roots", "nodes"}
 
 
@@ -178,5 +156,5 @@ def match_class(kinds: dict) -> type:
     namespace = {}
     for name, kind in kinds.items():
         if name not in _OWN_NAMES and name.isidentifier():
-            namespace[name] = _VIEWS[kind](name)
+            namespace[name] = _Binding(name, kind)
     return type("GeneratedMatch", (Match,), namespace)
