@@ -10,6 +10,7 @@ onnx-graphsurgeon is available for interop through :meth:`Model.to_graphsurgeon`
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Iterable, Iterator
 from sys import intern
@@ -211,6 +212,34 @@ def _hide_declarations(graph: onnx.GraphProto) -> list:
         for sub in subgraphs_of(node):
             hidden.extend(_hide_declarations(sub))
     return hidden
+
+
+# com.microsoft ops whose one output has the type and shape of one of their inputs (its index)
+TYPE_OF_INPUT = {"Gelu": 0, "GeluGrad": 1}
+
+
+@contextlib.contextmanager
+def contrib_stand_ins(model: onnx.ModelProto):
+    """Inside, the main graph's TYPE_OF_INPUT nodes are Identity nodes of the input whose type
+    they have, so ONNX shape inference (which knows no com.microsoft op) types their output
+    and everything computed from it, Shape values included (data propagation); the nodes are
+    put back on leaving. In place: the model, weights and all, is not copied."""
+    swapped = []
+    for node in model.graph.node:
+        index = TYPE_OF_INPUT.get(node.op_type)
+        if (index is None or normalize_domain(node.domain) != MS_DOMAIN
+                or len(node.input) <= index or not node.input[index]):
+            continue
+        swapped.append((node, node.SerializeToString()))
+        source = node.input[index]
+        del node.input[:], node.output[1:], node.attribute[:]
+        node.input.append(source)
+        node.op_type, node.domain = "Identity", ""
+    try:
+        yield model
+    finally:
+        for node, original in swapped:
+            node.ParseFromString(original)
 
 
 def _restore_declarations(hidden: list) -> None:
@@ -1084,7 +1113,8 @@ class Model:
         proto = self.flush()
         hidden = _hide_declarations(proto.graph)
         try:
-            inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+            with contrib_stand_ins(proto):
+                inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
         except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError):
             return self._found
         finally:

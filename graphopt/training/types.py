@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ..ir import type_dims
+from ..ir import contrib_stand_ins, type_dims
 from ..vocabulary import FLOAT_TYPES, STANDARD_DOMAIN, normalize_domain
 
 Dim = int | str | None
@@ -32,7 +32,8 @@ class TypeTable:
         table = cls()
         try:
             # data_prop turns shapes computed by Shape/Concat/Gather chains into static ones
-            inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+            with contrib_stand_ins(model):  # a fused Gelu's output typed, and after it
+                inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
         except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError):
             inferred = model  # fall back on what the model declares; dynamic paths cover the rest
         graph = inferred.graph
