@@ -24,6 +24,9 @@ from .ir import MS_DOMAIN, STANDARD_DOMAIN
 from .vocabulary import FLOAT_TYPES
 
 ALL_PROVIDERS = frozenset({"cpu", "cuda", "rocm"})
+# A Rule tag: the rule's result has a gradient in graphopt.training, so training applies it
+# to the forward graph before differentiating it, whatever its level (within the one asked).
+BEFORE_DIFFERENTIATION = "before_differentiation"
 COMMUTATIVE_OPS = frozenset({"Add", "Mul", "Max", "Min", "Sum", "Mean", "Equal", "And", "Or",
                              "Xor"})
 

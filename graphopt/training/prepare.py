@@ -20,7 +20,9 @@ from __future__ import annotations
 import onnx
 
 from ..api import optimize
+from ..dsl import BEFORE_DIFFERENTIATION
 from ..errors import GraphoptError
+from ..registry import all_rules
 from ..report import Report
 from .builder import build_training_graph, list_weights_as_inputs
 from .float16 import to_float16
@@ -59,8 +61,11 @@ def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
     staged = onnx.ModelProto()
     staged.CopyFrom(forward)
     list_weights_as_inputs(staged.graph, params)
-    staged, report = optimize(staged, level=1, disable=list(disable), check_input=False)
-    reports.append(("forward graph, level 1 (before differentiation)", report))
+    early = differentiable_fusions(level, disable)
+    staged, report = optimize(staged, level=1, enable=early, disable=list(disable),
+                              check_input=False)
+    title = "forward graph, level 1" + (f" and {', '.join(early)}" if early else "")
+    reports.append((f"{title} (before differentiation)", report))
     if float16:
         staged = to_float16(staged)
     arguments = _loss_arguments(loss, [o.name for o in forward.graph.output])
@@ -73,6 +78,19 @@ def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
                                  check_input=False)
     reports.append((f"training graph, level {level}", report))
     return _check_trains(graph.with_proto(optimized)), reports
+
+
+def differentiable_fusions(level: int, disable=()) -> list[str]:
+    """The rules above level 1, within ``level``, that the forward graph gets before it is
+    differentiated: those tagged BEFORE_DIFFERENTIATION, whose results the gradient builder
+    differentiates (Gelu -> GeluGrad). Other level-2 results (FusedMatMul) have no gradient
+    here, so the rest of level 2 waits for the training graph. ONNX Runtime's training
+    applies its GeluFusion to the forward graph the same way."""
+    if level < 2:
+        return []
+    return [rule.name for rule in all_rules().values()
+            if 1 < rule.level <= level and BEFORE_DIFFERENTIATION in rule.tags
+            and rule.name not in set(disable)]
 
 
 def _check_trains(graph: TrainingGraph) -> TrainingGraph:
