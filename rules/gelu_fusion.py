@@ -8,82 +8,28 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-from onnx import TensorProto
-
-from graphopt.dsl import (
-    BEFORE_DIFFERENTIATION,
-    Rule,
-    one_of,
-    op,
-    scalar_const,
-    single_consumer,
-    var,
-)
+from graphopt.dsl import BEFORE_DIFFERENTIATION, Rule, one_of, op, var
 from graphopt.vocabulary import MS_DOMAIN
 
-# com.microsoft Gelu's types (ONNX Runtime's GeluFusion checks the same)
-GELU_TYPES = (np.float16, np.float32, np.float64)
-GELU_ELEM_TYPES = frozenset({TensorProto.FLOAT16, TensorProto.FLOAT, TensorProto.DOUBLE})
+from ._activation_fusion import (
+    float_input,
+    formula_constant,
+    inner_nodes_feed_only_the_pattern,
+    keeps_rank,
+)
 
 x = var("x")
-
-
-def _near(expected: float):
-    """A scalar float constant equal to ``expected`` up to its own type's rounding."""
-    def predicate(value) -> bool:
-        if value.size != 1 or value.ndim > 1 or value.dtype.type not in GELU_TYPES:
-            return False
-        tolerance = float(np.finfo(value.dtype).eps) * abs(expected)
-        return abs(float(value.reshape(())) - expected) <= tolerance
-    return predicate
-
-
-def _constant(name: str, expected: float, shown: str):
-    return scalar_const(name, _near(expected), f"{name} is not {shown} (a float scalar)")
+one = formula_constant("one", 1.0, "1")
+half = formula_constant("half", 0.5, "0.5")
 
 
 def _alternatives():
-    for scaled in (op.Div(x, _constant("sqrt2", math.sqrt(2.0), "sqrt(2)"), _name="scaled"),
-                   op.Mul(x, _constant("inv_sqrt2", math.sqrt(0.5), "1/sqrt(2)"),
-                          _name="scaled")):
-        shifted = op.Add(op.Erf(scaled, _name="erf"), _constant("one", 1.0, "1"),
-                         _name="shifted")
-        half = _constant("half", 0.5, "0.5")
-        yield op.Mul(op.Mul(x, shifted, _name="inner"), half)  # (x * (1 + erf)) * 0.5
-        yield op.Mul(op.Mul(x, half, _name="inner"), shifted)  # (x * 0.5) * (1 + erf)
-        yield op.Mul(x, op.Mul(shifted, half, _name="inner"))  # x * ((1 + erf) * 0.5)
-
-
-def _gelu_type(m):
-    elem = m.graph.elem_type(m.x.name, True)
-    if elem is None:
-        return "element type of x is unknown"
-    return elem in GELU_ELEM_TYPES or f"x has element type {elem}, not float16/32/64"
-
-
-def _keeps_shape(m):
-    # x * [1]-shaped constants broadcast a rank-0 x to rank 1; Gelu(x) keeps rank 0
-    if all(getattr(m, c).value.ndim == 0 for c in ("one", "half") + _scale_names(m)):
-        return True
-    shape = m.graph.static_shape(m.x.name)
-    if shape is None:
-        return "rank of x is unknown and a constant has rank 1"
-    return len(shape) >= 1 or "a rank-1 constant would broadcast a rank-0 x to rank 1"
-
-
-def _scale_names(m) -> tuple[str, ...]:
-    return ("sqrt2",) if m.scaled.op_type == "Div" else ("inv_sqrt2",)
-
-
-def _intermediates_feed_only_this(m):
-    # every node but the last must go with the fusion, or GELU's pieces would be computed
-    # twice (and in a training graph a forward node would leave the YieldOp's ancestry)
-    for node in ("scaled", "erf", "shifted", "inner"):
-        verdict = single_consumer(node)(m)
-        if verdict is not True:
-            return verdict
-    return True
+    for scaled in (op.Div(x, formula_constant("sqrt2", math.sqrt(2.0), "sqrt(2)")),
+                   op.Mul(x, formula_constant("inv_sqrt2", math.sqrt(0.5), "1/sqrt(2)"))):
+        shifted = op.Add(op.Erf(scaled), one)
+        yield op.Mul(op.Mul(x, shifted), half)  # (x * (1 + erf)) * 0.5
+        yield op.Mul(op.Mul(x, half), shifted)  # (x * 0.5) * (1 + erf)
+        yield op.Mul(x, op.Mul(shifted, half))  # x * ((1 + erf) * 0.5)
 
 
 def to_gelu(m):
@@ -97,6 +43,7 @@ RULE = Rule(
     level=2,
     tags=("fusion", MS_DOMAIN, BEFORE_DIFFERENTIATION),
     match=one_of(*_alternatives()),
-    where=[_gelu_type, _keeps_shape, _intermediates_feed_only_this],
+    where=[float_input, keeps_rank("sqrt2", "inv_sqrt2", "one", "half"),
+           inner_nodes_feed_only_the_pattern],
     rewrite=to_gelu,
 )

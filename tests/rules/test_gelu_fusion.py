@@ -1,15 +1,10 @@
 """gelu_fusion: exact GELU written out (Div/Mul by sqrt(2), Erf, Add 1, two Muls) -> Gelu."""
 from __future__ import annotations
 
-import collections
-import glob
-import os
-
 import numpy as np
 import onnx
 import pytest
 from conftest import (
-    FIXTURES,
     assert_declined,
     assert_same_outputs,
     assert_second_run_changes_nothing,
@@ -17,6 +12,13 @@ from conftest import (
     op_types,
     ort_optimized,
     random_feeds,
+)
+from support.activation_fusions import (
+    assert_fused_before_differentiation,
+    fused_counts,
+    hf_exports,
+    mlp_model,
+    retyped,
 )
 
 import graphopt
@@ -33,6 +35,12 @@ PRODUCTS = {
     "constants_first": "p = Mul(c_half, x)\n y = Mul(a, p)",
 }
 CONSTANTS = "float c_sqrt2 = {1.4142135}, float c_one = {1.0}, float c_half = {0.5}"
+EXACT = {"c_sqrt2": np.sqrt(2.0), "c_inv_sqrt2": np.sqrt(0.5)}
+GELU = """s = Div(h, c_sqrt2)
+        e = Erf(s)
+        a = Add(e, c_one)
+        p = Mul(h, a)
+        y = Mul(p, c_half)"""
 
 
 def gelu_model(scale="div", product="x_times_shifted_then_half", shifted="a = Add(e, c_one)",
@@ -50,22 +58,7 @@ def gelu_model(scale="div", product="x_times_shifted_then_half", shifted="a = Ad
         {PRODUCTS[product]}
         {extra}
         }}""")
-    return model if elem is None else retyped(model, elem)
-
-
-def retyped(model, dtype):
-    """``model`` with every float tensor (inputs, outputs, constants) of ``dtype``; the
-    constants are the float64 values of sqrt(2), 1/sqrt(2), 1 and 0.5 rounded to it."""
-    exact = {"c_sqrt2": np.sqrt(2.0), "c_inv_sqrt2": np.sqrt(0.5)}
-    elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-    for value in [*model.graph.input, *model.graph.output]:
-        value.type.tensor_type.elem_type = elem
-    for tensor in model.graph.initializer:
-        array = onnx.numpy_helper.to_array(tensor).astype(np.float64)
-        array = np.full_like(array, exact.get(tensor.name, array.reshape(-1)[0]))
-        tensor.CopyFrom(onnx.numpy_helper.from_array(array.astype(dtype), tensor.name))
-    onnx.checker.check_model(model)
-    return model
+    return model if elem is None else retyped(model, elem, EXACT)
 
 
 def run(model, **kw):
@@ -183,63 +176,23 @@ def test_not_run_at_level_1():
     assert RULE not in report.rules
 
 
-def _hf_exports():
-    return sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(FIXTURES, "hf_*.onnx")))
-
-
-@pytest.mark.parametrize("name", _hf_exports())
-def test_every_exact_gelu_of_the_hf_exports_is_fused(name, tmp_path):
+@pytest.mark.parametrize("name", hf_exports())
+def test_every_exact_gelu_of_the_hf_exports_is_fused(name):
     """PyTorch's exact GELU, as TorchScript and dynamo write it: one Gelu per Erf, and never
     fewer than onnxruntime's level 2 makes (it misses dynamo's Mul by 1/sqrt(2))."""
-    model = onnx.load(os.path.join(FIXTURES, f"{name}.onnx"))
-    erfs = op_types(model).count("Erf")
-    ours = collections.Counter(op_types(graphopt.optimize(model, level=2)[0]))
-    theirs = collections.Counter(op_types(ort_optimized(model, tmp_path)))
-    assert ours["Gelu"] == erfs and ours["Erf"] == 0
+    exported, ours, theirs = fused_counts(name)
+    assert ours["Gelu"] == exported["Erf"] and ours["Erf"] == 0
     assert ours["Gelu"] >= theirs["Gelu"] + theirs["BiasGelu"]
-
-
-def _mlp_with_gelu():
-    rng = np.random.default_rng(0)
-    model = onnx.parser.parse_model(f"""
-        <ir_version: 8, opset_import: ["" : 17]>
-        g (float[5,8] x, float[8,16] w1, float[16,4] w2) => (float[5,4] out) <{CONSTANTS}>
-        {{
-        h = MatMul(x, w1)
-        s = Div(h, c_sqrt2)
-        e = Erf(s)
-        a = Add(e, c_one)
-        p = Mul(h, a)
-        y = Mul(p, c_half)
-        out = MatMul(y, w2)
-        }}""")
-    for name, shape in (("w1", (8, 16)), ("w2", (16, 4))):  # weights, not inputs
-        model.graph.input.remove(next(i for i in model.graph.input if i.name == name))
-        model.graph.initializer.append(onnx.numpy_helper.from_array(
-            rng.standard_normal(shape).astype(np.float32), name))
-    onnx.checker.check_model(model)
-    return model
 
 
 def test_training_fuses_before_differentiation_and_keeps_the_gradients():
     """The forward graph gets the fusion before it is differentiated (Gelu -> GeluGrad): the
     same loss and gradients as the graph differentiated through Erf."""
-    model = _mlp_with_gelu()
-    fused, reports = prepare_training(model, loss="mse")
-    plain, _ = prepare_training(model, loss="mse", disable=(RULE,))
-    kinds = collections.Counter(op_types(fused.proto))
-    assert kinds["Gelu"] == 1 and kinds["GeluGrad"] == 1 and kinds["Erf"] == 0
-    assert "Erf" in op_types(plain.proto)
-    assert "gelu_fusion" in reports[0][0] and reports[0][1].rules[RULE].rewrites == 1
-    feeds = random_feeds(fused.proto)
-    wanted = fused.losses + [fused.grads[p] for p in fused.params]
-    got = Session(fused.proto, device="cpu").run(feeds, wanted)
-    expected = Session(plain.proto, device="cpu").run(feeds, wanted)
-    for name in wanted:
-        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6)
+    assert_fused_before_differentiation(mlp_model(GELU, CONSTANTS), RULE, "Gelu", "GeluGrad",
+                                        "Erf")
 
 
 def test_training_at_level_1_keeps_the_erf():
-    fused, reports = prepare_training(_mlp_with_gelu(), loss="mse", level=1)
+    fused, reports = prepare_training(mlp_model(GELU, CONSTANTS), loss="mse", level=1)
     assert "Gelu" not in op_types(fused.proto) and "Erf" in op_types(fused.proto)
     assert reports[0][0] == "forward graph, level 1 (before differentiation)"
