@@ -215,7 +215,7 @@ def _hide_declarations(graph: onnx.GraphProto) -> list:
 
 
 # com.microsoft ops whose one output has the type and shape of one of their inputs (its index)
-TYPE_OF_INPUT = {"Gelu": 0, "GeluGrad": 1}
+TYPE_OF_INPUT = {"Gelu": 0, "GeluGrad": 1, "FastGelu": 0, "FastGeluGrad": 1}
 
 
 @contextlib.contextmanager

@@ -24,6 +24,13 @@ def ms_gelu(ctx: GradientContext):
     return [ctx.ms("GeluGrad", ctx.dy, ctx.input(0))]
 
 
+@gradient("FastGelu", domain=MS_DOMAIN)
+def ms_fast_gelu(ctx: GradientContext):
+    if ctx.input(1):  # FastGelu(x, bias): what fast_gelu_fusion makes has no bias
+        raise ctx.fail("FastGelu with a bias input is not differentiated here")
+    return [ctx.ms("FastGeluGrad", ctx.dy, ctx.input(0))]
+
+
 @gradient("Erf")
 def erf(ctx: GradientContext):
     """d erf(x) = 2/sqrt(pi) * exp(-x^2): what exported exact GELU differentiates through."""
