@@ -42,6 +42,26 @@ def row_sums(xp, x2d):
     return xp.einsum("ij->i", x2d)
 
 
+# row_max's transposed path: rows up to _NARROW_ROWS wide, at least _NARROW_MIN_ROWS of them.
+# Measured (float32, one core), transposed against NumPy's reduction: 2048 rows of 16: 42 us
+# against 136; of 32: 90 against 150; of 48: 138 against 154; of 56: about even; of 64: 80
+# against 72. 64 rows of 32: even, 128: 9 us against 13, 32: 7 against 5.6 (the copy's and
+# the extra call's fixed cost)
+_NARROW_ROWS = 48
+_NARROW_MIN_ROWS = 128
+
+
+def row_max(xp, x2d):
+    """Maxima of the rows of a 2-D array. NumPy reduces each row in a loop of its own (~70
+    ns a row whatever its width); over narrow rows the elementwise maximum of the rows of
+    a transposed copy is 1.6-3x faster (see _NARROW_ROWS). A maximum is exact: the same
+    values either way (NaN included, which np.maximum propagates as max does)."""
+    rows, width = x2d.shape
+    if xp is np and 1 < width <= _NARROW_ROWS and rows >= _NARROW_MIN_ROWS:
+        return np.maximum.reduce(np.ascontiguousarray(x2d.T), axis=0)
+    return x2d.max(axis=1)
+
+
 def column_sums(xp, x2d):
     """Sums over the rows of a 2-D float32/float64 array: on NumPy einsum's, the rows added in
     order as NumPy's reduction adds them (the same bits) at 2-4x its speed (1024 rows of 64:

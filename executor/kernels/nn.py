@@ -8,7 +8,7 @@ import numpy as np
 
 from ..registry import kernel
 from ._threads import run_blocks
-from ._util import compute_dtype, norm_axis, row_sums, summed_by_rows, sums_over
+from ._util import compute_dtype, norm_axis, row_max, row_sums, summed_by_rows, sums_over
 
 # rows per block: ~64K elements (256 KiB of float32), so that a block's five passes (max,
 # subtract, exp, sum, scale) run in L2 instead of streaming the tensor five times; smaller
@@ -72,7 +72,7 @@ def _softmax_rows(xp, x, rows, out):
 
     def rows_of(lo, hi):
         src, dst = x2[lo:hi], o2[lo:hi]
-        xp.subtract(src, src.max(axis=1, keepdims=True), out=dst)
+        xp.subtract(src, row_max(xp, src)[:, None], out=dst)
         xp.exp(dst, out=dst)
         total = row_sums(xp, dst)
         xp.reciprocal(total, out=total)

@@ -10,6 +10,7 @@ import pytest
 from graphopt.executor.backend import select_backend
 from graphopt.executor.context import KernelContext
 from graphopt.executor.kernels import loss, nn, reduce, training_ops
+from graphopt.executor.kernels._util import row_max
 from graphopt.executor.plan import PlannedNode
 
 RNG = np.random.default_rng(11)
@@ -91,6 +92,44 @@ def test_layer_normalization_and_its_gradient(dtype, shape, axis, param_shape):
 def _softmax(x, axis):
     e = np.exp(x - x.max(axis=axis, keepdims=True))
     return e / e.sum(axis=axis, keepdims=True)
+
+
+def _with_specials(x):
+    """x with NaN, +-inf and signed zeros scattered over its rows (a row of -inf too)."""
+    x = x.copy()
+    flat = x.reshape(-1)
+    picks = RNG.choice(flat.size, size=(5, max(1, flat.size // 50)), replace=False)
+    for pick, value in zip(picks, (np.nan, np.inf, -np.inf, 0.0, -0.0), strict=True):
+        flat[pick] = value
+    x.reshape(-1, x.shape[-1])[1] = -np.inf
+    return x
+
+
+@pytest.mark.parametrize("width", [2, 16, 32, 33, 48, 49, 64, 256])
+@pytest.mark.parametrize("rows", [8, 127, 128, 4096])
+def test_row_max_is_numpy_max(rows, width):
+    x = _with_specials(RNG.standard_normal((rows, width)).astype(np.float32))
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(row_max(np, x), x.max(axis=1))
+        view = x[::-1, :]  # rows read backwards: a view that is not C-contiguous
+        np.testing.assert_array_equal(row_max(np, view), view.max(axis=1))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # -inf - -inf, on threads
+@pytest.mark.parametrize("shape", [(32, 4, 32, 32), (2, 3, 40, 48), (1, 8, 256, 256),
+                                   (4, 64, 7)])
+def test_softmax_rows_have_the_bits_of_a_plain_max(shape):
+    """Narrow rows take row_max's transposed path: the maximum is the same, so every bit of
+    the result is what the max-subtract-exp-sum-scale passes give with NumPy's max."""
+    x = _with_specials(RNG.standard_normal(shape).astype(np.float32) * 4)
+    with np.errstate(invalid="ignore"):
+        rows = x.reshape(-1, shape[-1])
+        e = np.exp(rows - rows.max(axis=1, keepdims=True))
+        total = np.einsum("ij->i", e)
+        np.reciprocal(total, out=total)
+        want = (e * total[:, None]).reshape(shape)
+        got = nn.softmax(_ctx(), _node("Softmax", domain="", opset=13, axis=-1), x)
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("op,axis", [("SoftmaxGrad_13", -1), ("SoftmaxGrad_13", 1),
