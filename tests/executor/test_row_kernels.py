@@ -10,7 +10,7 @@ import pytest
 from graphopt.executor.backend import select_backend
 from graphopt.executor.context import KernelContext
 from graphopt.executor.kernels import loss, nn, reduce, training_ops
-from graphopt.executor.kernels._util import row_max
+from graphopt.executor.kernels._util import column_dots, max_over, row_dots, row_max
 from graphopt.executor.plan import PlannedNode
 
 RNG = np.random.default_rng(11)
@@ -113,6 +113,30 @@ def test_row_max_is_numpy_max(rows, width):
         np.testing.assert_array_equal(row_max(np, x), x.max(axis=1))
         view = x[::-1, :]  # rows read backwards: a view that is not C-contiguous
         np.testing.assert_array_equal(row_max(np, view), view.max(axis=1))
+
+
+@pytest.mark.parametrize(("shape", "axis"), [
+    ((32, 56, 32), 1), ((32, 57, 32), 1), ((4, 3, 2048, 2), 2), ((1, 30000, 16), 1),
+    ((2, 513, 33), 1), ((64, 300, 1), 1), ((8, 56, 128), 1), ((16, 7, 3), 1),
+    ((4096, 32), 0), ((64, 32, 17), 0)])
+def test_max_over_is_numpy_max(shape, axis):
+    """Halving an inner axis (max_over) finds NumPy's maxima, NaN, infinities and all."""
+    x = _with_specials(RNG.standard_normal(shape).astype(np.float32))
+    with np.errstate(invalid="ignore"):
+        got = max_over(np, x, (axis,))
+        np.testing.assert_array_equal(got, x.max(axis=axis, keepdims=True))
+        assert got.shape == x.max(axis=axis, keepdims=True).shape
+        view = np.flip(x, axis=0)  # not C-contiguous: NumPy's own reduction
+        np.testing.assert_array_equal(max_over(np, view, (axis,)),
+                                      view.max(axis=axis, keepdims=True))
+
+
+@pytest.mark.parametrize("width", [7, 64, 256])
+def test_row_and_column_dots_are_sums_of_products(width):
+    a, b = RNG.standard_normal((2, 300, width)).astype(np.float32)
+    exact = a.astype(np.float64) * b
+    np.testing.assert_allclose(row_dots(np, a, b), exact.sum(axis=1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(column_dots(np, a, b), exact.sum(axis=0), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # -inf - -inf, on threads
