@@ -8,7 +8,13 @@ under load: the `--example mqa` training step 227 ms with two BLAS threads, 35 m
 So a product below SERIAL_FLOPS runs on one BLAS thread; larger ones keep BLAS's own count.
 
 The count is switched through threadpoolctl (the library scikit-learn uses for the same
-purpose) and restored right after the product, so code outside the executor never sees it.
+purpose). Switching it costs two calls into threadpoolctl per switch, and a training step
+makes some twenty small products in a row; so within one ``Session.run`` the count is
+switched lazily (``BlasThreads``, owned by the session's kernel context): lowered before
+the first small product, left there for the small products that follow, raised back only
+before a large product, before a caller's hook runs, and when the run ends (also when a
+kernel raises), so code outside the executor never sees the changed count. A product made
+outside a run (``plain_matmul`` called directly) switches and restores around itself.
 Without threadpoolctl, or without a BLAS it can control, products run as they always did.
 """
 
@@ -36,31 +42,86 @@ def _blas_controllers() -> list:
     return _controllers
 
 
-@contextlib.contextmanager
-def one_thread():
-    """BLAS on one thread inside, its previous count restored after."""
+def _lower_to_one() -> list:
+    """Every controlled BLAS on one thread; the (controller, count) pairs to restore."""
     previous = []
     for controller in _blas_controllers():
         count = controller.get_num_threads()
         if count is not None and count > 1:
             controller.set_num_threads(1)
             previous.append((controller, count))
+    return previous
+
+
+def _restore(previous: list) -> None:
+    for controller, count in previous:
+        controller.set_num_threads(count)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """BLAS on one thread inside, its previous count restored after."""
+    previous = _lower_to_one()
     try:
         yield
     finally:
-        for controller, count in previous:
-            controller.set_num_threads(count)
+        _restore(previous)
 
 
-def matmul(xp, a, b):
+class BlasThreads:
+    """The BLAS thread count over one run of a session (see the module's docstring).
+
+    Between ``hold()`` and ``release()`` (``Session.run`` calls the latter in its
+    ``finally``) a count lowered for a small product stays lowered until ``restore()``: a
+    large product, a caller's hook or the end of the run. Outside them every small product
+    restores the count right after itself."""
+
+    __slots__ = ("_lowered", "_holding")
+
+    def __init__(self):
+        self._lowered: list | None = None  # (controller, count) pairs while lowered
+        self._holding = False
+
+    def hold(self) -> None:
+        self._holding = True
+
+    def release(self) -> None:
+        self._holding = False
+        self.restore()
+
+    def restore(self) -> None:
+        """BLAS's own count back, if this object lowered it."""
+        lowered, self._lowered = self._lowered, None
+        if lowered:
+            _restore(lowered)
+
+    def serial_matmul(self, a, b):
+        """``a @ b`` on one BLAS thread."""
+        if self._lowered is None:
+            self._lowered = _lower_to_one()
+        if self._holding:
+            return _numpy_matmul(a, b)
+        try:
+            return _numpy_matmul(a, b)
+        finally:
+            self.restore()
+
+
+def matmul(xp, a, b, blas: BlasThreads | None = None):
     """``xp.matmul(a, b)``, on one BLAS thread when each GEMM call BLAS sees (the product of
-    the last two axes: NumPy loops over the leading ones) is below SERIAL_FLOPS."""
+    the last two axes: NumPy loops over the leading ones) is below SERIAL_FLOPS. ``blas``
+    (the running session's) keeps the count lowered between small products of one run;
+    without it the count is switched and restored around this product."""
     if xp is not np or a.ndim < 2 or b.ndim < 2:
         return xp.matmul(a, b)
     if 2 * a.shape[-2] * a.shape[-1] * b.shape[-1] >= SERIAL_FLOPS or not _blas_controllers():
+        if blas is not None:
+            blas.restore()
         return _numpy_matmul(a, b)
-    with one_thread():
-        return _numpy_matmul(a, b)
+    if blas is None:
+        with one_thread():
+            return _numpy_matmul(a, b)
+    return blas.serial_matmul(a, b)
 
 
 _numpy_matmul = np.matmul  # a name of this module, so a test can watch the calls

@@ -7,16 +7,18 @@ from typing import Any
 import numpy as np
 
 from .backend import ArrayBackend
+from .blas_threads import BlasThreads
 
 
 class KernelContext:
     """``xp`` is numpy or cupy; ``numerics`` the FP16 policy object or None; ``training``
     the default Dropout mode for graphs that do not say; ``yield_feeds`` the caller-given
     gradients for YieldOp outputs during one run; ``donated`` the inputs of the running
-    node that the kernel may overwrite (see ``out_for``)."""
+    node that the kernel may overwrite (see ``out_for``); ``blas`` the BLAS thread count
+    that ``Session.run`` holds lowered between small products (blas_threads.BlasThreads)."""
 
-    __slots__ = ("backend", "xp", "numerics", "training", "yield_feeds", "donated", "_rng",
-                 "_node_rngs", "_host_constants", "_host_made")
+    __slots__ = ("backend", "xp", "numerics", "training", "yield_feeds", "donated", "blas",
+                 "_rng", "_node_rngs", "_host_constants", "_host_made")
 
     def __init__(self, backend: ArrayBackend, numerics: Any, training: bool, seed: int | None):
         self.backend = backend
@@ -25,6 +27,7 @@ class KernelContext:
         self.training = training
         self.yield_feeds: dict[str, Any] = {}
         self.donated: tuple = ()
+        self.blas = BlasThreads()
         self._rng = np.random.default_rng(seed)
         self._node_rngs: dict[str, np.random.Generator] = {}
         # Host copies of small integer device arrays (shapes, axes): id -> (array, host copy).

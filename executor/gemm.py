@@ -21,8 +21,9 @@ def matmul(ctx, a, b, op: str = "gemm"):
     if numerics is not None and not (
             getattr(numerics, "fp16_only", False)
             and (a.dtype != np.float16 or b.dtype != np.float16)):
+        ctx.blas.restore()  # the policy's own products see BLAS's own thread count
         return numerics.matmul(a, b, op=op)
-    return plain_matmul(ctx.xp, a, b)
+    return plain_matmul(ctx.xp, a, b, ctx.blas)
 
 
 def _merged(x, first: int):
@@ -33,12 +34,13 @@ def _merged(x, first: int):
     return x.reshape(x.shape[:first] + (-1,) + x.shape[first + 2:])
 
 
-def plain_matmul(xp, a, b):
+def plain_matmul(xp, a, b, blas: _blas_threads.BlasThreads | None = None):
     """``xp.matmul(a, b)`` done as few, large GEMMs as the operands' layouts allow: BLAS
-    threads and blocks far better on one (H*M, K) x (K, N) product than on H small ones."""
+    threads and blocks far better on one (H*M, K) x (K, N) product than on H small ones.
+    ``blas``: the running session's BLAS thread count (see blas_threads.matmul)."""
     if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous:
         # One large GEMM instead of one per leading index.
-        return _blas_threads.matmul(xp, a.reshape(-1, a.shape[-1]), b).reshape(
+        return _blas_threads.matmul(xp, a.reshape(-1, a.shape[-1]), b, blas).reshape(
             a.shape[:-1] + (b.shape[1],))
     if (a.ndim >= 3 and b.ndim == a.ndim and b.shape[-3] == 1 and a.shape[-3] > 1
             and b.shape[:-3] == a.shape[:-3]):
@@ -49,7 +51,7 @@ def plain_matmul(xp, a, b):
         b3 = b.reshape(b.shape[:-3] + b.shape[-2:])
         folded = _merged(a, a.ndim - 3)  # (..., H*M, K) in place
         if folded is not None:
-            return _blas_threads.matmul(xp, folded, b3).reshape(a.shape[:-1] + (n,))
+            return _blas_threads.matmul(xp, folded, b3, blas).reshape(a.shape[:-1] + (n,))
         # (..., M, H, K): a row-major view or one copy; the result is then laid out
         # (..., M, H, N) and returned as the (..., H, M, N) view of it, which is the layout
         # a following transpose back to (..., M, H, N) wants
@@ -58,6 +60,6 @@ def plain_matmul(xp, a, b):
         if folded is None:
             folded = xp.ascontiguousarray(swapped).reshape(
                 a.shape[:-3] + (rows * heads, a.shape[-1]))
-        out = _blas_threads.matmul(xp, folded, b3).reshape(a.shape[:-3] + (rows, heads, n))
+        out = _blas_threads.matmul(xp, folded, b3, blas).reshape(a.shape[:-3] + (rows, heads, n))
         return out.swapaxes(-3, -2)
-    return _blas_threads.matmul(xp, a, b)
+    return _blas_threads.matmul(xp, a, b, blas)

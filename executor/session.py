@@ -280,6 +280,8 @@ class Session:
         ctx.yield_feeds = {n: v for n, v in checked.items() if n in self.yield_output_names}
         numerics = self.numerics
         names_by_slot = plan.names_by_slot if observer is not None else None
+        blas = ctx.blas
+        blas.hold()  # small products keep BLAS on one thread until a large one or the end
         try:
             for index, step in enumerate(plan.steps):
                 args = [values[s] if s >= 0 else None for s in step.in_slots]
@@ -299,15 +301,18 @@ class Session:
                 ctx.donated = ()
                 self._store(step, result, values)
                 if on_step is not None:
+                    blas.restore()  # the caller's code sees BLAS's own thread count
                     on_step(index, step.node,
                             tuple(result) if isinstance(result, (tuple, list)) else (result,))
                 result = args = None  # hold no reference a later donation check would see
                 for slot in step.release:
                     values[slot] = None
                 if observer is not None:
+                    blas.restore()
                     live = [names_by_slot[s] for s, v in enumerate(values) if v is not None]
                     observer(index, step.node.name, live)
         finally:
+            blas.release()
             ctx.yield_feeds = {}
             ctx.donated = ()
             ctx.forget_made()

@@ -8,7 +8,16 @@ import numpy as np
 
 from ..registry import kernel
 from ._threads import run_blocks
-from ._util import compute_dtype, norm_axis, row_sums, summed_by_rows, sums_over
+from ._util import (
+    compute_dtype,
+    max_over,
+    norm_axis,
+    row_dots,
+    row_max,
+    row_sums,
+    summed_by_rows,
+    sums_over,
+)
 
 # rows per block: ~64K elements (256 KiB of float32), so that a block's five passes (max,
 # subtract, exp, sum, scale) run in L2 instead of streaming the tensor five times; smaller
@@ -72,7 +81,7 @@ def _softmax_rows(xp, x, rows, out):
 
     def rows_of(lo, hi):
         src, dst = x2[lo:hi], o2[lo:hi]
-        xp.subtract(src, src.max(axis=1, keepdims=True), out=dst)
+        xp.subtract(src, row_max(xp, src)[:, None], out=dst)
         xp.exp(dst, out=dst)
         total = row_sums(xp, dst)
         xp.reciprocal(total, out=total)
@@ -86,7 +95,7 @@ def _softmax_rows(xp, x, rows, out):
 
 
 def _softmax_into(xp, x, axes, out):
-    peak = x.max(axis=axes, keepdims=True)
+    peak = max_over(xp, x, axes)
     xp.subtract(x, peak, out=out)
     xp.exp(out, out=out)
     out /= out.sum(axis=axes, keepdims=True)
@@ -95,7 +104,7 @@ def _softmax_into(xp, x, axes, out):
 def log_softmax_over(xp, x, axes):
     ct = compute_dtype(x.dtype)
     data = x if ct == x.dtype else x.astype(ct)
-    out = data - data.max(axis=axes, keepdims=True)
+    out = data - max_over(xp, data, axes)
     out -= xp.log(sums_over(xp, xp.exp(out), axes))
     return out if ct == x.dtype else out.astype(x.dtype)
 
@@ -151,8 +160,7 @@ def _layer_norm_rows(xp, x, axis, epsilon, stash_dtype):
     # in x's shape (a reshaped (rows, D) array would be a view: not donated on)
     result = xp.empty(x.shape, stash_dtype)
     centered = xp.subtract(data, mean[:, None], out=result.reshape(rows, width))
-    squares = centered * centered
-    var = row_sums(xp, squares)
+    var = row_dots(xp, centered, centered)
     var /= width
     var += epsilon
     inv_std = xp.sqrt(var, out=var)

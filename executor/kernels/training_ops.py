@@ -12,11 +12,13 @@ from ..errors import FeedError
 from ..registry import MS_DOMAIN, kernel
 from ._scatter import check_bounds, scatter_rows
 from ._util import (
+    column_dots,
     column_sums,
     compute_dtype,
     gelu_exact_grad,
     gelu_tanh_grad,
     norm_axis,
+    row_dots,
     row_sums,
     summed_by_rows,
 )
@@ -58,7 +60,7 @@ def _softmax_grad(ctx, dy, y, axes):
         # it is donated (dy is read elementwise before its element is written)
         rows = math.prod(y.shape[:axes[0]])
         y2, dy2 = y32.reshape(rows, -1), dy32.reshape(rows, -1)
-        total = row_sums(xp, y2 * dy2)
+        total = row_dots(xp, y2, dy2)
         out = ctx.out_for(dy.shape, dy.dtype, dy) if ct == dy.dtype else None
         if out is None or not out.flags.c_contiguous:  # (its (rows, D) view would be a copy)
             # allocated in y's shape, not as a (rows, D) array reshaped: a view (an array
@@ -249,7 +251,8 @@ def _sum_to(grad, shape):
 
 def _layer_norm_grad_rows(xp, dy, x, scale, mean, inv_std, ct):
     """float32/float64 (every backend) on (rows, D) views: the row means and the parameter
-    gradients' column sums by einsum (see row_sums, column_sums; issue 15)."""
+    gradients' column sums by einsum, the sums of products without their temporaries (see
+    row_sums, column_sums, row_dots, column_dots; issue 15)."""
     rows = mean.size
     width = x.size // rows
     dy2 = dy.astype(ct, copy=False).reshape(rows, width)
@@ -257,8 +260,7 @@ def _layer_norm_grad_rows(xp, dy, x, scale, mean, inv_std, ct):
     mean1, inv1 = (a.astype(ct, copy=False).reshape(rows, 1) for a in (mean, inv_std))
     xhat = x.astype(ct, copy=False).reshape(rows, width) - mean1
     xhat *= inv1
-    scratch = dy2 * xhat
-    scale_grad = column_sums(xp, scratch)
+    scale_grad = column_dots(xp, dy2, xhat)
     bias_grad = column_sums(xp, dy2)
     # inv_std * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * scale;
     # allocated in x's shape (a reshaped (rows, D) array would be a view: not donated on)
@@ -266,8 +268,7 @@ def _layer_norm_grad_rows(xp, dy, x, scale, mean, inv_std, ct):
     dx = xp.multiply(dy2, scale1, out=result.reshape(rows, width))
     dxhat_mean = row_sums(xp, dx)
     dxhat_mean /= width
-    xp.multiply(dx, xhat, out=scratch)
-    xhat_term = row_sums(xp, scratch)
+    xhat_term = row_dots(xp, dx, xhat)
     xhat_term /= width
     dx -= dxhat_mean[:, None]
     xhat *= xhat_term[:, None]

@@ -10,6 +10,7 @@ import pytest
 from graphopt.executor.backend import select_backend
 from graphopt.executor.context import KernelContext
 from graphopt.executor.kernels import loss, nn, reduce, training_ops
+from graphopt.executor.kernels._util import column_dots, max_over, row_dots, row_max
 from graphopt.executor.plan import PlannedNode
 
 RNG = np.random.default_rng(11)
@@ -91,6 +92,68 @@ def test_layer_normalization_and_its_gradient(dtype, shape, axis, param_shape):
 def _softmax(x, axis):
     e = np.exp(x - x.max(axis=axis, keepdims=True))
     return e / e.sum(axis=axis, keepdims=True)
+
+
+def _with_specials(x):
+    """x with NaN, +-inf and signed zeros scattered over its rows (a row of -inf too)."""
+    x = x.copy()
+    flat = x.reshape(-1)
+    picks = RNG.choice(flat.size, size=(5, max(1, flat.size // 50)), replace=False)
+    for pick, value in zip(picks, (np.nan, np.inf, -np.inf, 0.0, -0.0), strict=True):
+        flat[pick] = value
+    x.reshape(-1, x.shape[-1])[1] = -np.inf
+    return x
+
+
+@pytest.mark.parametrize("width", [2, 16, 32, 33, 48, 49, 64, 256])
+@pytest.mark.parametrize("rows", [8, 127, 128, 4096])
+def test_row_max_is_numpy_max(rows, width):
+    x = _with_specials(RNG.standard_normal((rows, width)).astype(np.float32))
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(row_max(np, x), x.max(axis=1))
+        view = x[::-1, :]  # rows read backwards: a view that is not C-contiguous
+        np.testing.assert_array_equal(row_max(np, view), view.max(axis=1))
+
+
+@pytest.mark.parametrize(("shape", "axis"), [
+    ((32, 56, 32), 1), ((32, 57, 32), 1), ((4, 3, 2048, 2), 2), ((1, 30000, 16), 1),
+    ((2, 513, 33), 1), ((64, 300, 1), 1), ((8, 56, 128), 1), ((16, 7, 3), 1),
+    ((4096, 32), 0), ((64, 32, 17), 0)])
+def test_max_over_is_numpy_max(shape, axis):
+    """Halving an inner axis (max_over) finds NumPy's maxima, NaN, infinities and all."""
+    x = _with_specials(RNG.standard_normal(shape).astype(np.float32))
+    with np.errstate(invalid="ignore"):
+        got = max_over(np, x, (axis,))
+        np.testing.assert_array_equal(got, x.max(axis=axis, keepdims=True))
+        assert got.shape == x.max(axis=axis, keepdims=True).shape
+        view = np.flip(x, axis=0)  # not C-contiguous: NumPy's own reduction
+        np.testing.assert_array_equal(max_over(np, view, (axis,)),
+                                      view.max(axis=axis, keepdims=True))
+
+
+@pytest.mark.parametrize("width", [7, 64, 256])
+def test_row_and_column_dots_are_sums_of_products(width):
+    a, b = RNG.standard_normal((2, 300, width)).astype(np.float32)
+    exact = a.astype(np.float64) * b
+    np.testing.assert_allclose(row_dots(np, a, b), exact.sum(axis=1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(column_dots(np, a, b), exact.sum(axis=0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # -inf - -inf, on threads
+@pytest.mark.parametrize("shape", [(32, 4, 32, 32), (2, 3, 40, 48), (1, 8, 256, 256),
+                                   (4, 64, 7)])
+def test_softmax_rows_have_the_bits_of_a_plain_max(shape):
+    """Narrow rows take row_max's transposed path: the maximum is the same, so every bit of
+    the result is what the max-subtract-exp-sum-scale passes give with NumPy's max."""
+    x = _with_specials(RNG.standard_normal(shape).astype(np.float32) * 4)
+    with np.errstate(invalid="ignore"):
+        rows = x.reshape(-1, shape[-1])
+        e = np.exp(rows - rows.max(axis=1, keepdims=True))
+        total = np.einsum("ij->i", e)
+        np.reciprocal(total, out=total)
+        want = (e * total[:, None]).reshape(shape)
+        got = nn.softmax(_ctx(), _node("Softmax", domain="", opset=13, axis=-1), x)
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("op,axis", [("SoftmaxGrad_13", -1), ("SoftmaxGrad_13", 1),
