@@ -19,7 +19,7 @@ from .checks import validate
 from .dsl import OpExpr, Pass, Rule
 from .errors import GraphoptError, RewriteRejected
 from .ir import MS_DOMAIN, Graph, Model
-from .matching import CompiledPattern, Match, Miss
+from .matching import Match, Miss, compiled_pattern
 from .report import Report
 from .rewrite import Rewriter, rewrite_in_place
 from .vocabulary import domain_label
@@ -34,7 +34,7 @@ class Engine:
         self.explain = set(explain)
         self.max_rewrites = max_rewrites
         self.validate_each = validate_each
-        self._compiled = {id(r): CompiledPattern(r.match) for r in self.rules
+        self._compiled = {id(r): compiled_pattern(r.match) for r in self.rules
                           if isinstance(r, Rule)}
 
     # ---- driver --------------------------------------------------------------------

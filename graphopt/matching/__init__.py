@@ -6,8 +6,9 @@
 - ``misses``: why a pattern did not match, built lazily;
 - ``views``: what rules see of a match (Match, NodeView, TensorView).
 """
-from .compiled import CompiledPattern
+from .compiled import CompiledPattern, compiled_pattern
 from .misses import Miss
 from .views import Match, NodeView, TensorView, bound_tensor
 
-__all__ = ["CompiledPattern", "Match", "Miss", "NodeView", "TensorView", "bound_tensor"]
+__all__ = ["CompiledPattern", "compiled_pattern", "Match", "Miss", "NodeView", "TensorView",
+           "bound_tensor"]

@@ -37,13 +37,21 @@ class CompiledPattern:
             by_key.setdefault((alternative.domain, alternative.op_type), []).append(alternative)
         self.anchor_types = list(by_key)
         self.fast_by_key = {key: generate(alts, FAST) for key, alts in by_key.items()}
-        self._explain_by_key = {key: generate(alts, EXPLAIN) for key, alts in by_key.items()}
+        # the explaining matchers are made on first use: only --explain and a rule's
+        # constraints ask for them, and a pattern with nested commutative ops costs as much
+        # again to generate
+        self._alternatives_by_key = by_key
+        self._explain_by_key: dict = {}
         self.anchors_at_node = True
         self.anchor_of = _node_itself
         self.match = self._explain
 
     def _explain(self, graph: Graph, node_id: int):
-        explain = self._explain_by_key.get(graph.op_key(node_id))
+        key = graph.op_key(node_id)
+        explain = self._explain_by_key.get(key)
+        if explain is None and key in self._alternatives_by_key:
+            explain = self._explain_by_key[key] = generate(self._alternatives_by_key[key],
+                                                           EXPLAIN)
         if explain is not None:
             return explain(graph)(node_id)
         if isinstance(self.pattern, OneOf):
@@ -61,6 +69,25 @@ class CompiledPattern:
             inputs = graph.inputs_of(node_id)
             return inputs[index] if len(inputs) > index else None
         self.anchor_of = anchor_of
+
+
+_compiled: dict[int, tuple[object, CompiledPattern]] = {}
+
+
+def compiled_pattern(pattern: Expr | FanOut | OneOf) -> CompiledPattern:
+    """``CompiledPattern(pattern)``, made once per pattern object in a process: rules are
+    module-level objects, and every optimize (a training run makes two) would otherwise
+    generate and compile their matchers again. What it makes binds no graph."""
+    key = id(pattern)
+    entry = _compiled.get(key)
+    if entry is None or entry[0] is not pattern:  # the pattern it was made for is kept alive
+        if len(_compiled) >= _MAX_KEPT:  # rules made on the fly (tests, plugins' factories)
+            _compiled.clear()
+        entry = _compiled[key] = (pattern, CompiledPattern(pattern))
+    return entry[1]
+
+
+_MAX_KEPT = 1024
 
 
 def _node_itself(graph: Graph, node_id: int) -> int:

@@ -6,8 +6,8 @@ import pytest
 from conftest import model_from_text
 
 from graphopt import modelio
-from graphopt.dsl import const, fan_out, one_of, op, scalar_const, var
-from graphopt.matching import CompiledPattern, Miss
+from graphopt.dsl import const, fan_out, one_of, op, produced_by, scalar_const, var
+from graphopt.matching import CompiledPattern, Miss, compiled_pattern
 
 a, b, c, x = var("a"), var("b"), var("c"), var("x")
 
@@ -91,3 +91,24 @@ def test_a_fan_out_says_how_many_consumers_it_found(graph):
 def test_a_name_bound_as_two_kinds_is_refused_when_the_rule_is_compiled():
     with pytest.raises(TypeError, match="binds 'x' both as a tensor and as a node"):
         CompiledPattern(op.Add(x, op.Relu(b, _name="x")))
+
+
+def test_a_pattern_is_compiled_once_per_process(graph):
+    # rules are module-level objects: a second optimize reuses their generated matchers
+    pattern = one_of(op.Relu(op.Transpose(x)), op.Relu(op.Sigmoid(x)))
+    compiled = compiled_pattern(pattern)
+    assert compiled_pattern(pattern) is compiled
+    assert compiled_pattern(one_of(op.Relu(x))) is not compiled
+    anchor = graph.producer_of("r1")
+    assert compiled.match(graph, anchor)[1] == [anchor]  # explained on demand, the same way
+
+
+def test_a_sub_pattern_constraint_binds_the_same_tensor_and_says_why_not(graph):
+    """produced_by: ad2 = Add(p, mm) and mm = MatMul(p, q), read by ad2 alone."""
+    found = CompiledPattern(op.Add(x, var("m"))).fast_by_key[("", "Add")](graph)(
+        graph.producer_of("ad2"))
+    assert produced_by("m", op.MatMul(x, var("y")), shared=("x",))(found) is True
+    other = produced_by("m", op.MatMul(var("y"), x), shared=("x",), what="a product by x")
+    assert other(found) == "'m' is not a product by x of the same 'x'"
+    transposed = produced_by("m", op.Transpose(var("y")), what="a Transpose")
+    assert transposed(found) == "'m' is not a Transpose: MatMul (unnamed) is not Transpose"
