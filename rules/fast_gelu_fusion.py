@@ -2,15 +2,17 @@
 GPT-2's, CodeGen's and BLOOM's Python write it and PyTorch exports it -> one com.microsoft
 FastGelu (ONNX Runtime's FastGeluFusion).
 
-The cube is Pow(x, 3), x * (x * x) or (x * x) * x; the inner product is either
-sqrt(2/pi) * (x + 0.044715 * x^3) or, as BLOOM writes it, (sqrt(2/pi) * x) *
-(1 + 0.044715 * x * x); the outer 0.5 * x * (1 + tanh) in any grouping. Training applies it
-before differentiation (FastGelu -> FastGeluGrad), like gelu_fusion."""
+The outer 0.5 * x * (1 + tanh(t)) is the pattern, in any grouping; t must be the GELU cubic
+of the same x: sqrt(2/pi) * (x + 0.044715 * x^3), the cube as Pow(x, 3) or two Muls, or as
+BLOOM writes it, (sqrt(2/pi) * x) * (1 + 0.044715 * x * x). t is checked as a sub-pattern
+(produced_by): inside the pattern, under three commutative ops, its matcher would be
+generated eight times over. Training applies the rule before differentiation (FastGelu ->
+FastGeluGrad), like gelu_fusion."""
 from __future__ import annotations
 
 import math
 
-from graphopt.dsl import BEFORE_DIFFERENTIATION, Rule, one_of, op, var
+from graphopt.dsl import BEFORE_DIFFERENTIATION, Rule, one_of, op, produced_by, var
 from graphopt.vocabulary import MS_DOMAIN
 
 from ._activation_fusion import (
@@ -20,13 +22,12 @@ from ._activation_fusion import (
     keeps_rank,
 )
 
-x = var("x")
+x, t = var("x"), var("t")
 one = formula_constant("one", 1.0, "1")
 half = formula_constant("half", 0.5, "0.5")
 slope = formula_constant("slope", math.sqrt(2.0 / math.pi), "sqrt(2/pi)")
 cubic = formula_constant("cubic", 0.044715, "0.044715")
 three = formula_constant("three", 3.0, "3")
-CONSTANTS = ("one", "half", "slope", "cubic", "three")
 
 
 def _cubes():
@@ -34,19 +35,30 @@ def _cubes():
     yield op.Mul(x, op.Mul(x, x))  # Mul is commutative: (x * x) * x too
 
 
-def _tanh_arguments():
+def _cubic_forms():
     for cube in _cubes():
         yield op.Mul(op.Add(x, op.Mul(cube, cubic)), slope)  # sqrt(2/pi) * (x + k x^3)
     for square in (op.Mul(op.Mul(x, cubic), x), op.Mul(op.Mul(x, x), cubic)):
         yield op.Mul(op.Mul(x, slope), op.Add(square, one))  # (sqrt(2/pi) x) (1 + k x^2)
 
 
+GELU_CUBIC = one_of(*_cubic_forms())
+
+
 def _alternatives():
-    for argument in _tanh_arguments():
-        shifted = op.Add(op.Tanh(argument), one)
-        yield op.Mul(op.Mul(x, shifted), half)  # (x * (1 + tanh)) * 0.5
-        yield op.Mul(op.Mul(x, half), shifted)  # (x * 0.5) * (1 + tanh)
-        yield op.Mul(x, op.Mul(shifted, half))  # x * ((1 + tanh) * 0.5)
+    shifted = op.Add(op.Tanh(t), one)
+    yield op.Mul(op.Mul(x, shifted), half)  # (x * (1 + tanh)) * 0.5
+    yield op.Mul(op.Mul(x, half), shifted)  # (x * 0.5) * (1 + tanh)
+    yield op.Mul(x, op.Mul(shifted, half))  # x * ((1 + tanh) * 0.5)
+
+
+def _cubic_keeps_rank(m):
+    # the cubic's own constants may be [1]-shaped: harmless unless x is rank 0, where t
+    # would be rank 1
+    x_shape, t_shape = m.graph.static_shape(m.x.name), m.graph.static_shape(m.t.name)
+    if x_shape is not None and (len(x_shape) >= 1 or t_shape == x_shape):
+        return True
+    return "x is not known to be of rank >= 1, nor t of x's rank"
 
 
 def to_fast_gelu(m):
@@ -60,6 +72,9 @@ RULE = Rule(
     level=2,
     tags=("fusion", MS_DOMAIN, BEFORE_DIFFERENTIATION),
     match=one_of(*_alternatives()),
-    where=[float_input, keeps_rank(*CONSTANTS), inner_nodes_feed_only_the_pattern],
+    where=[float_input, keeps_rank("one", "half"), inner_nodes_feed_only_the_pattern,
+           produced_by("t", GELU_CUBIC, shared=("x",),
+                       what="sqrt(2/pi) * (x + 0.044715 * x^3)"),
+           _cubic_keeps_rank],
     rewrite=to_fast_gelu,
 )

@@ -1,5 +1,6 @@
 """x * 0.5 * (1 + erf(x / sqrt(2))), as exporters write exact GELU (Div or Mul by 1/sqrt(2),
-Erf, Add 1, two Muls in any of their three groupings) -> one com.microsoft Gelu.
+Erf, Add 1, two Muls in any of their three groupings) -> one com.microsoft Gelu. The outer
+product is the pattern; the Erf's argument, x / sqrt(2) of the same x, a sub-pattern.
 
 The training graph builder differentiates Gelu (GeluGrad), so the trainer applies this rule
 to the forward graph before differentiation: one forward and one backward node instead of
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from graphopt.dsl import BEFORE_DIFFERENTIATION, Rule, one_of, op, var
+from graphopt.dsl import BEFORE_DIFFERENTIATION, Rule, one_of, op, produced_by, var
 from graphopt.vocabulary import MS_DOMAIN
 
 from ._activation_fusion import (
@@ -18,18 +19,28 @@ from ._activation_fusion import (
     keeps_rank,
 )
 
-x = var("x")
+x, s = var("x"), var("s")
 one = formula_constant("one", 1.0, "1")
 half = formula_constant("half", 0.5, "0.5")
+# x / sqrt(2), as a sub-pattern (produced_by): under the pattern's commutative ops its
+# matcher would be generated four times over
+SCALED = one_of(op.Div(x, formula_constant("sqrt2", math.sqrt(2.0), "sqrt(2)")),
+                op.Mul(x, formula_constant("inv_sqrt2", math.sqrt(0.5), "1/sqrt(2)")))
 
 
 def _alternatives():
-    for scaled in (op.Div(x, formula_constant("sqrt2", math.sqrt(2.0), "sqrt(2)")),
-                   op.Mul(x, formula_constant("inv_sqrt2", math.sqrt(0.5), "1/sqrt(2)"))):
-        shifted = op.Add(op.Erf(scaled), one)
-        yield op.Mul(op.Mul(x, shifted), half)  # (x * (1 + erf)) * 0.5
-        yield op.Mul(op.Mul(x, half), shifted)  # (x * 0.5) * (1 + erf)
-        yield op.Mul(x, op.Mul(shifted, half))  # x * ((1 + erf) * 0.5)
+    shifted = op.Add(op.Erf(s), one)
+    yield op.Mul(op.Mul(x, shifted), half)  # (x * (1 + erf)) * 0.5
+    yield op.Mul(op.Mul(x, half), shifted)  # (x * 0.5) * (1 + erf)
+    yield op.Mul(x, op.Mul(shifted, half))  # x * ((1 + erf) * 0.5)
+
+
+def _scale_keeps_rank(m):
+    # a [1]-shaped 1/sqrt(2) is harmless unless x is rank 0, where s would be rank 1
+    x_shape, s_shape = m.graph.static_shape(m.x.name), m.graph.static_shape(m.s.name)
+    if x_shape is not None and (len(x_shape) >= 1 or s_shape == x_shape):
+        return True
+    return "x is not known to be of rank >= 1, nor x / sqrt(2) of x's rank"
 
 
 def to_gelu(m):
@@ -43,7 +54,7 @@ RULE = Rule(
     level=2,
     tags=("fusion", MS_DOMAIN, BEFORE_DIFFERENTIATION),
     match=one_of(*_alternatives()),
-    where=[float_input, keeps_rank("sqrt2", "inv_sqrt2", "one", "half"),
-           inner_nodes_feed_only_the_pattern],
+    where=[float_input, keeps_rank("one", "half"), inner_nodes_feed_only_the_pattern,
+           produced_by("s", SCALED, shared=("x",), what="x / sqrt(2)"), _scale_keeps_rank],
     rewrite=to_gelu,
 )
