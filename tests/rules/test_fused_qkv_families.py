@@ -57,8 +57,19 @@ def test_chunk_with_shape_computed_bounds_is_split_where_onnxruntime_does_not(su
 @pytest.mark.parametrize("name", NAMES)
 def test_at_least_as_many_fused_matmuls_and_no_more_transposes_than_onnxruntime(surveys, name):
     result = surveys[name]
-    assert result.fused >= result.ort_fused, result
+    # counted with the GELU fusions: where graphopt fuses a GELU onnxruntime leaves
+    # (BigCode's tanh GELU), its 0.5 goes into the FastGelu and the product after it has no
+    # scale left for a FusedMatMul to absorb; one fusion for one, in nine nodes fewer
+    assert result.fused + result.gelus >= result.ort_fused + result.ort_gelus, result
+    assert result.fused >= result.ort_fused or result.gelus > result.ort_gelus, result
     assert result.matmul_like <= result.ort_matmul_like, result
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_gelu_is_fused_and_never_fewer_than_onnxruntime(surveys, name):
+    result = surveys[name]
+    assert result.gelus == result.layers or result.family in ("persimmon", "phi3"), result
+    assert result.gelus >= result.ort_gelus, result
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if n.endswith("_ts17")])
