@@ -234,7 +234,8 @@ def contrib_stand_ins(model: onnx.ModelProto):
         source = node.input[index]
         del node.input[:], node.output[1:], node.attribute[:]
         node.input.append(source)
-        node.op_type, node.domain = "Identity", ""
+        node.op_type = "Identity"
+        node.ClearField("domain")  # the standard domain
     try:
         yield model
     finally:
