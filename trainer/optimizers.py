@@ -154,6 +154,7 @@ class AdamW(Optimizer):
         super().__init__(lr, weight_decay)
         self.beta1, self.beta2 = (float(b) for b in betas)
         self.eps = float(eps)
+        self._flat: tuple | None = None  # (layout, flat arrays, spans) of _flat_step
 
     def _hyper(self):
         return {"beta1": self.beta1, "beta2": self.beta2, "eps": self.eps}
@@ -161,6 +162,8 @@ class AdamW(Optimizer):
     def step(self, params, grads, lr_factor: float = 1.0) -> None:
         device = [name for name, param in params.items() if array_module(param) is not np]
         if not device:
+            if all(param.dtype == np.float32 for param in params.values()):
+                return self._flat_step(params, grads, lr_factor)
             return super().step(params, grads, lr_factor)
         self.steps += 1
         base = self.lr
@@ -193,10 +196,61 @@ class AdamW(Optimizer):
         kernel = _adamw_kernel(xp)
         kernel(grad, *self._scalars(), param, m, v)
 
+    def _flat_step(self, params, grads, lr_factor: float) -> None:
+        """The host step of float32 weights as one update of all of them: the weights,
+        gradients and both slots laid end to end, the same float32 operations in the same
+        order (so the same bits: every one is elementwise) in about 15 NumPy calls instead of
+        15 per weight (issue 15: ~0.5 ms of a 16 ms step for the example's 16 weights). The
+        slots stay one array per weight for checkpoints: views of the flat ones."""
+        self.steps += 1
+        base = self.lr
+        self.lr = base * lr_factor
+        try:
+            flat, spans = self._flat_buffers(params)
+            weights, gradients = flat["param"], flat["grad"]
+            for name, (start, stop) in spans.items():
+                weights[start:stop] = params[name].reshape(-1)
+                gradients[start:stop] = grads[name].reshape(-1)  # a float16 grad: as astype
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                self._arithmetic(weights, gradients, flat["exp_avg"], flat["exp_avg_sq"])
+            for name, (start, stop) in spans.items():
+                params[name][...] = weights[start:stop].reshape(params[name].shape)
+        finally:
+            self.lr = base
+
+    def _flat_buffers(self, params) -> tuple[dict, dict]:
+        """The flat float32 arrays for these weights (made again when the weights change) with
+        each weight's span; each slot of self.slots a view of its flat array (a slot loaded
+        from a checkpoint, or left by another layout, is copied in first)."""
+        layout = tuple((name, param.shape) for name, param in params.items())
+        cached = self._flat
+        if cached is None or cached[0] != layout:
+            spans, start = {}, 0
+            for name, param in params.items():
+                spans[name] = (start, start + param.size)
+                start += param.size
+            flat = {key: np.zeros(start, np.float32)
+                    for key in ("param", "grad", *self.slot_names)}
+            cached = self._flat = (layout, flat, spans)
+        _, flat, spans = cached
+        for name, (start, stop) in spans.items():
+            slots = self.slots.setdefault(name, {})
+            for slot in self.slot_names:
+                whole = flat[slot]
+                current = slots.get(slot)
+                if current is not None and current.base is whole:
+                    continue  # already the view
+                whole[start:stop] = 0.0 if current is None else np.asarray(current).reshape(-1)
+                slots[slot] = whole[start:stop].reshape(params[name].shape)
+        return flat, spans
+
     def _update(self, name, param, grad):
+        self._arithmetic(param, grad, self._slot(name, "exp_avg", param),
+                         self._slot(name, "exp_avg_sq", param))
+
+    def _arithmetic(self, param, grad, m, v):
+        """One AdamW update of float32 arrays in place (the order of operations is torch's)."""
         param *= 1.0 - self.lr * self.weight_decay
-        m = self._slot(name, "exp_avg", param)
-        v = self._slot(name, "exp_avg_sq", param)
         m *= self.beta1
         m += (1.0 - self.beta1) * grad
         v *= self.beta2
