@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from graphopt.dsl import scalar_const
+from graphopt.dsl import op, scalar_const
 
 # the types of com.microsoft Gelu and FastGelu (ONNX Runtime's fusions check the same)
 FUSED_TYPES = (np.float16, np.float32, np.float64)
@@ -63,3 +63,23 @@ def inner_nodes_feed_only_the_pattern(m):
                 return (f"output {out!r} of a {graph.node(node_id).op_type} in the pattern "
                         "has other consumers")
     return True
+
+
+def halved_products(x, shifted, half):
+    """x * 0.5 * shifted in its three groupings (each Mul's operand order is the matcher's:
+    Mul is commutative)."""
+    yield op.Mul(op.Mul(x, shifted), half)  # (x * shifted) * 0.5
+    yield op.Mul(op.Mul(x, half), shifted)  # (x * 0.5) * shifted
+    yield op.Mul(x, op.Mul(shifted, half))  # x * (shifted * 0.5)
+
+
+def argument_keeps_rank(argument: str, shown: str):
+    """A constraint for the sub-pattern computing ``argument`` from x: its own constants may
+    be [1]-shaped, harmless unless x is rank 0, where the argument would be rank 1."""
+    def constraint(m):
+        x_shape = m.graph.static_shape(m.x.name)
+        if x_shape is not None and (len(x_shape) >= 1 or
+                                    m.graph.static_shape(getattr(m, argument).name) == x_shape):
+            return True
+        return f"x is not known to be of rank >= 1, nor {shown} of x's rank"
+    return constraint

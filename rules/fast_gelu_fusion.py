@@ -16,8 +16,10 @@ from graphopt.dsl import BEFORE_DIFFERENTIATION, Rule, one_of, op, produced_by, 
 from graphopt.vocabulary import MS_DOMAIN
 
 from ._activation_fusion import (
+    argument_keeps_rank,
     float_input,
     formula_constant,
+    halved_products,
     inner_nodes_feed_only_the_pattern,
     keeps_rank,
 )
@@ -45,22 +47,6 @@ def _cubic_forms():
 GELU_CUBIC = one_of(*_cubic_forms())
 
 
-def _alternatives():
-    shifted = op.Add(op.Tanh(t), one)
-    yield op.Mul(op.Mul(x, shifted), half)  # (x * (1 + tanh)) * 0.5
-    yield op.Mul(op.Mul(x, half), shifted)  # (x * 0.5) * (1 + tanh)
-    yield op.Mul(x, op.Mul(shifted, half))  # x * ((1 + tanh) * 0.5)
-
-
-def _cubic_keeps_rank(m):
-    # the cubic's own constants may be [1]-shaped: harmless unless x is rank 0, where t
-    # would be rank 1
-    x_shape, t_shape = m.graph.static_shape(m.x.name), m.graph.static_shape(m.t.name)
-    if x_shape is not None and (len(x_shape) >= 1 or t_shape == x_shape):
-        return True
-    return "x is not known to be of rank >= 1, nor t of x's rank"
-
-
 def to_fast_gelu(m):
     return op.ms.FastGelu(m.x)
 
@@ -71,10 +57,10 @@ RULE = Rule(
                 "FastGelu",
     level=2,
     tags=("fusion", MS_DOMAIN, BEFORE_DIFFERENTIATION),
-    match=one_of(*_alternatives()),
+    match=one_of(*halved_products(x, op.Add(op.Tanh(t), one), half)),
     where=[float_input, keeps_rank("one", "half"), inner_nodes_feed_only_the_pattern,
            produced_by("t", GELU_CUBIC, shared=("x",),
                        what="sqrt(2/pi) * (x + 0.044715 * x^3)"),
-           _cubic_keeps_rank],
+           argument_keeps_rank("t", "t")],
     rewrite=to_fast_gelu,
 )

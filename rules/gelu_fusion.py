@@ -13,8 +13,10 @@ from graphopt.dsl import BEFORE_DIFFERENTIATION, Rule, one_of, op, produced_by, 
 from graphopt.vocabulary import MS_DOMAIN
 
 from ._activation_fusion import (
+    argument_keeps_rank,
     float_input,
     formula_constant,
+    halved_products,
     inner_nodes_feed_only_the_pattern,
     keeps_rank,
 )
@@ -28,21 +30,6 @@ SCALED = one_of(op.Div(x, formula_constant("sqrt2", math.sqrt(2.0), "sqrt(2)")),
                 op.Mul(x, formula_constant("inv_sqrt2", math.sqrt(0.5), "1/sqrt(2)")))
 
 
-def _alternatives():
-    shifted = op.Add(op.Erf(s), one)
-    yield op.Mul(op.Mul(x, shifted), half)  # (x * (1 + erf)) * 0.5
-    yield op.Mul(op.Mul(x, half), shifted)  # (x * 0.5) * (1 + erf)
-    yield op.Mul(x, op.Mul(shifted, half))  # x * ((1 + erf) * 0.5)
-
-
-def _scale_keeps_rank(m):
-    # a [1]-shaped 1/sqrt(2) is harmless unless x is rank 0, where s would be rank 1
-    x_shape, s_shape = m.graph.static_shape(m.x.name), m.graph.static_shape(m.s.name)
-    if x_shape is not None and (len(x_shape) >= 1 or s_shape == x_shape):
-        return True
-    return "x is not known to be of rank >= 1, nor x / sqrt(2) of x's rank"
-
-
 def to_gelu(m):
     return op.ms.Gelu(m.x)
 
@@ -53,8 +40,9 @@ RULE = Rule(
                 "com.microsoft Gelu",
     level=2,
     tags=("fusion", MS_DOMAIN, BEFORE_DIFFERENTIATION),
-    match=one_of(*_alternatives()),
+    match=one_of(*halved_products(x, op.Add(op.Erf(s), one), half)),
     where=[float_input, keeps_rank("one", "half"), inner_nodes_feed_only_the_pattern,
-           produced_by("s", SCALED, shared=("x",), what="x / sqrt(2)"), _scale_keeps_rank],
+           produced_by("s", SCALED, shared=("x",), what="x / sqrt(2)"),
+           argument_keeps_rank("s", "x / sqrt(2)")],
     rewrite=to_gelu,
 )

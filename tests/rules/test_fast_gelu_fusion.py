@@ -10,10 +10,10 @@ from conftest import (
     assert_second_run_changes_nothing,
     model_from_text,
     op_types,
-    random_feeds,
 )
 from support.activation_fusions import (
     assert_fused_before_differentiation,
+    assert_same_in_the_executor,
     fused_counts,
     hf_exports,
     mlp_model,
@@ -21,7 +21,6 @@ from support.activation_fusions import (
 )
 
 import graphopt
-from graphopt.executor import Session
 
 RULE = "fast_gelu_fusion"
 CONSTANTS = ("float c_one = {1.0}, float c_half = {0.5}, float c_slope = {0.7978846}, "
@@ -89,14 +88,7 @@ def test_every_form_becomes_one_fast_gelu(argument, product):
 
 @pytest.mark.parametrize("elem", [np.float16, np.float64])
 def test_float16_and_double(elem):
-    model = fast_gelu_model(elem=elem)
-    out, _ = run(model)
-    assert op_types(out) == ["FastGelu"]
-    feeds = random_feeds(model)
-    (expected,) = Session(model, device="cpu").run(feeds).values()
-    (actual,) = Session(out, device="cpu").run(feeds).values()
-    tolerance = 2e-3 if elem == np.float16 else 1e-12
-    np.testing.assert_allclose(actual, expected, rtol=tolerance, atol=tolerance)
+    assert_same_in_the_executor(fast_gelu_model(elem=elem), RULE, "FastGelu")
 
 
 def test_integer_exponent_counts():

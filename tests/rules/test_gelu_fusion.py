@@ -11,10 +11,10 @@ from conftest import (
     model_from_text,
     op_types,
     ort_optimized,
-    random_feeds,
 )
 from support.activation_fusions import (
     assert_fused_before_differentiation,
+    assert_same_in_the_executor,
     fused_counts,
     hf_exports,
     mlp_model,
@@ -22,7 +22,6 @@ from support.activation_fusions import (
 )
 
 import graphopt
-from graphopt.executor import Session
 from graphopt.training.prepare import prepare_training
 
 RULE = "gelu_fusion"
@@ -107,14 +106,7 @@ def test_onnxruntime_fuses_the_same_subgraph(tmp_path):
 
 @pytest.mark.parametrize("elem", [np.float16, np.float64])
 def test_float16_and_double(elem):
-    model = gelu_model(elem=elem)
-    out, _ = run(model)
-    assert op_types(out) == ["Gelu"]
-    feeds = random_feeds(model)
-    (expected,) = Session(model, device="cpu").run(feeds).values()
-    (actual,) = Session(out, device="cpu").run(feeds).values()
-    tolerance = 2e-3 if elem == np.float16 else 1e-12
-    np.testing.assert_allclose(actual, expected, rtol=tolerance, atol=tolerance)
+    assert_same_in_the_executor(gelu_model(elem=elem), RULE, "Gelu")
 
 
 def test_constants_rounded_to_their_type_match_and_others_do_not():

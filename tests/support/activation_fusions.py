@@ -85,3 +85,15 @@ def assert_fused_before_differentiation(model, rule: str, fused_op: str, grad_op
     expected = Session(plain.proto, device="cpu").run(feeds, wanted)
     for name in wanted:
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6)
+
+
+def assert_same_in_the_executor(model: onnx.ModelProto, rule: str, fused_op: str) -> None:
+    """``rule`` makes one ``fused_op`` of ``model`` (float16 or float64, which onnxruntime's
+    CPU kernels do not all take), and the executor computes the same either way."""
+    out, _ = graphopt.optimize(model, [rule])
+    assert op_types(out) == [fused_op]
+    feeds = random_feeds(model)
+    (expected,) = Session(model, device="cpu").run(feeds).values()
+    (actual,) = Session(out, device="cpu").run(feeds).values()
+    tolerance = 2e-3 if expected.dtype == np.float16 else 1e-12
+    np.testing.assert_allclose(actual, expected, rtol=tolerance, atol=tolerance)
