@@ -1,12 +1,12 @@
-"""What the activation fusions (gelu_fusion, fast_gelu_fusion) share: their constants, which
-must equal the formula's up to their own type's rounding, and the checks that the fused node
-is a drop-in for the subgraph it replaces."""
+"""What the activation fusions (gelu_fusion, fast_gelu_fusion) share: the pattern x * 0.5 *
+(1 + f(argument)), constants that must equal the formula's up to their own type's rounding,
+and the checks that the fused node is a drop-in for the subgraph it replaces."""
 from __future__ import annotations
 
 import numpy as np
 from onnx import TensorProto
 
-from graphopt.dsl import op, scalar_const
+from graphopt.dsl import one_of, op, produced_by, scalar_const, var
 
 # the types of com.microsoft Gelu and FastGelu (ONNX Runtime's fusions check the same)
 FUSED_TYPES = (np.float16, np.float32, np.float64)
@@ -37,21 +37,6 @@ def float_input(m):
     return elem in FUSED_ELEM_TYPES or f"x has element type {elem}, not float16/32/64"
 
 
-def keeps_rank(*constants: str):
-    """A constraint: x times [1]-shaped constants is rank 1 for a rank-0 x, while the fused
-    node keeps rank 0; so a rank-1 constant (of these names, those the match bound) needs x
-    of rank >= 1."""
-    def constraint(m):
-        values = [m.get(name) for name in constants]
-        if all(v is None or v.value is None or v.value.ndim == 0 for v in values):
-            return True
-        shape = m.graph.static_shape(m.x.name)
-        if shape is None:
-            return "rank of x is unknown and a constant has rank 1"
-        return len(shape) >= 1 or "a rank-1 constant would broadcast a rank-0 x to rank 1"
-    return constraint
-
-
 def inner_nodes_feed_only_the_pattern(m):
     """Every matched node but the last is read only by matched nodes (and is no graph
     output): the fusion then removes them all, instead of computing their part twice (and,
@@ -65,21 +50,41 @@ def inner_nodes_feed_only_the_pattern(m):
     return True
 
 
-def halved_products(x, shifted, half):
-    """x * 0.5 * shifted in its three groupings (each Mul's operand order is the matcher's:
-    Mul is commutative)."""
-    yield op.Mul(op.Mul(x, shifted), half)  # (x * shifted) * 0.5
-    yield op.Mul(op.Mul(x, half), shifted)  # (x * 0.5) * shifted
-    yield op.Mul(x, op.Mul(shifted, half))  # x * (shifted * 0.5)
+x = var("x")
+one = formula_constant("one", 1.0, "1")
+half = formula_constant("half", 0.5, "0.5")
 
 
-def argument_keeps_rank(argument: str, shown: str):
-    """A constraint for the sub-pattern computing ``argument`` from x: its own constants may
-    be [1]-shaped, harmless unless x is rank 0, where the argument would be rank 1."""
+def half_x_times_one_plus(activation):
+    """The pattern x * 0.5 * (1 + activation), in the three groupings of its Muls (each
+    Mul's operand order is the matcher's: Mul is commutative)."""
+    shifted = op.Add(activation, one)
+    return one_of(op.Mul(op.Mul(x, shifted), half),  # (x * (1 + f)) * 0.5
+                  op.Mul(op.Mul(x, half), shifted),  # (x * 0.5) * (1 + f)
+                  op.Mul(x, op.Mul(shifted, half)))  # x * ((1 + f) * 0.5)
+
+
+def constraints(argument: str, computed_by, what: str) -> list:
+    """The ``where`` of a fusion matched by half_x_times_one_plus(f(argument)): float x, the
+    rank kept, every node of the match and of the argument's sub-pattern ``computed_by`` (of
+    the same x) read only by the fusion."""
+    return [float_input, _keeps_rank(argument, what), inner_nodes_feed_only_the_pattern,
+            produced_by(argument, computed_by, shared=("x",), what=what)]
+
+
+def _keeps_rank(argument: str, what: str):
+    """x times [1]-shaped constants is rank 1 for a rank-0 x, while the fused node keeps
+    rank 0: a rank-1 0.5 or 1 needs x of rank >= 1, and so does the argument's sub-pattern
+    (its own constants may be [1]-shaped) unless it has x's rank."""
     def constraint(m):
         x_shape = m.graph.static_shape(m.x.name)
-        if x_shape is not None and (len(x_shape) >= 1 or
-                                    m.graph.static_shape(getattr(m, argument).name) == x_shape):
+        if x_shape is not None and len(x_shape) >= 1:
             return True
-        return f"x is not known to be of rank >= 1, nor {shown} of x's rank"
+        if any(c.value is not None and c.value.ndim for c in (m.one, m.half)):
+            if x_shape is None:
+                return "rank of x is unknown and a constant has rank 1"
+            return "a rank-1 constant would broadcast a rank-0 x to rank 1"
+        if x_shape is not None and m.graph.static_shape(getattr(m, argument).name) == x_shape:
+            return True
+        return f"x is not known to be of rank >= 1, nor {what} of x's rank"
     return constraint

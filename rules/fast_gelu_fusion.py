@@ -12,21 +12,12 @@ from __future__ import annotations
 
 import math
 
-from graphopt.dsl import BEFORE_DIFFERENTIATION, Rule, one_of, op, produced_by, var
+from graphopt.dsl import BEFORE_DIFFERENTIATION, Rule, one_of, op, var
 from graphopt.vocabulary import MS_DOMAIN
 
-from ._activation_fusion import (
-    argument_keeps_rank,
-    float_input,
-    formula_constant,
-    halved_products,
-    inner_nodes_feed_only_the_pattern,
-    keeps_rank,
-)
+from ._activation_fusion import constraints, formula_constant, half_x_times_one_plus, one, x
 
-x, t = var("x"), var("t")
-one = formula_constant("one", 1.0, "1")
-half = formula_constant("half", 0.5, "0.5")
+t = var("t")
 slope = formula_constant("slope", math.sqrt(2.0 / math.pi), "sqrt(2/pi)")
 cubic = formula_constant("cubic", 0.044715, "0.044715")
 three = formula_constant("three", 3.0, "3")
@@ -57,10 +48,7 @@ RULE = Rule(
                 "FastGelu",
     level=2,
     tags=("fusion", MS_DOMAIN, BEFORE_DIFFERENTIATION),
-    match=one_of(*halved_products(x, op.Add(op.Tanh(t), one), half)),
-    where=[float_input, keeps_rank("one", "half"), inner_nodes_feed_only_the_pattern,
-           produced_by("t", GELU_CUBIC, shared=("x",),
-                       what="sqrt(2/pi) * (x + 0.044715 * x^3)"),
-           argument_keeps_rank("t", "t")],
+    match=half_x_times_one_plus(op.Tanh(t)),
+    where=constraints("t", GELU_CUBIC, "sqrt(2/pi) * (x + 0.044715 * x^3)"),
     rewrite=to_fast_gelu,
 )

@@ -9,21 +9,12 @@ from __future__ import annotations
 
 import math
 
-from graphopt.dsl import BEFORE_DIFFERENTIATION, Rule, one_of, op, produced_by, var
+from graphopt.dsl import BEFORE_DIFFERENTIATION, Rule, one_of, op, var
 from graphopt.vocabulary import MS_DOMAIN
 
-from ._activation_fusion import (
-    argument_keeps_rank,
-    float_input,
-    formula_constant,
-    halved_products,
-    inner_nodes_feed_only_the_pattern,
-    keeps_rank,
-)
+from ._activation_fusion import constraints, formula_constant, half_x_times_one_plus, x
 
-x, s = var("x"), var("s")
-one = formula_constant("one", 1.0, "1")
-half = formula_constant("half", 0.5, "0.5")
+s = var("s")
 # x / sqrt(2), as a sub-pattern (produced_by): under the pattern's commutative ops its
 # matcher would be generated four times over
 SCALED = one_of(op.Div(x, formula_constant("sqrt2", math.sqrt(2.0), "sqrt(2)")),
@@ -40,9 +31,7 @@ RULE = Rule(
                 "com.microsoft Gelu",
     level=2,
     tags=("fusion", MS_DOMAIN, BEFORE_DIFFERENTIATION),
-    match=one_of(*halved_products(x, op.Add(op.Erf(s), one), half)),
-    where=[float_input, keeps_rank("one", "half"), inner_nodes_feed_only_the_pattern,
-           produced_by("s", SCALED, shared=("x",), what="x / sqrt(2)"),
-           argument_keeps_rank("s", "x / sqrt(2)")],
+    match=half_x_times_one_plus(op.Erf(s)),
+    where=constraints("s", SCALED, "x / sqrt(2)"),
     rewrite=to_gelu,
 )
