@@ -78,18 +78,21 @@ def max_over(xp, x, axes):
     if not 1 < inner <= _HALVED_MAX_INNER or count < 2:
         return x.max(axis=axes, keepdims=True)
     x3 = x.reshape(-1, count, inner)
-    half = count // 2
-    peak = np.maximum(x3[:, :half], x3[:, half:2 * half])
-    if count % 2:
-        np.maximum(peak[:, :1], x3[:, count - 1:], out=peak[:, :1])
-    count = half
+    peak = np.empty((x3.shape[0], count // 2, inner), x.dtype)
+    count = _halve_into(x3, peak, count)
     while count > 1:  # peak[:, :count] holds the candidates
-        half = count // 2
-        np.maximum(peak[:, :half], peak[:, half:2 * half], out=peak[:, :half])
-        if count % 2:
-            np.maximum(peak[:, :1], peak[:, count - 1:count], out=peak[:, :1])
-        count = half
+        count = _halve_into(peak, peak, count)
     return peak[:, :1].reshape(x.shape[:axis] + (1,) + x.shape[axis + 1:])
+
+
+def _halve_into(source, out, count: int) -> int:
+    """out[:, :count // 2] = the maxima of source[:, :count]'s two halves, the odd one out
+    folded into the first; returns count // 2."""
+    half = count // 2
+    np.maximum(source[:, :half], source[:, half:2 * half], out=out[:, :half])
+    if count % 2:
+        np.maximum(out[:, :1], source[:, count - 1:count], out=out[:, :1])
+    return half
 
 
 _HALVED_MAX_INNER = 32  # max_over halves an axis followed by at most this many elements

@@ -13,16 +13,22 @@ def _uniform_weight(labels, weights, ignore_index):
     return weights is None and (ignore_index is None or not (labels == ignore_index).any())
 
 
+def _at_labels(scores, labels):
+    """NumPy: the (N, C, rest) view of ``scores`` and the index that picks, at every position
+    of the labels, its label's class: ``view[index]`` reads those elements, and writes them."""
+    n, classes = scores.shape[:2]
+    rest = scores.size // (n * classes) if scores.size else 0
+    index = (np.arange(n)[:, None], labels.reshape(n, rest), np.arange(rest)[None, :])
+    return scores.reshape(n, classes, rest), index
+
+
 def _pick(xp, log_prob, safe):
     """log_prob[n, safe[n, ...], ...] for every position of the labels."""
     if xp is not np:
         picked = xp.take_along_axis(log_prob, xp.expand_dims(safe.astype(np.int64), 1), axis=1)
         return xp.squeeze(picked, axis=1)
-    n, classes = log_prob.shape[:2]
-    rest = log_prob.size // (n * classes) if log_prob.size else 0
-    flat = log_prob.reshape(n, classes, rest)
-    picked = flat[np.arange(n)[:, None], safe.reshape(n, rest), np.arange(rest)[None, :]]
-    return picked.reshape(safe.shape)
+    view, index = _at_labels(log_prob, safe)
+    return view[index].reshape(safe.shape)
 
 
 def _picked_weights(xp, labels, weights, ignore_index, dtype):
@@ -93,10 +99,8 @@ def softmax_cross_entropy_grad(xp, dy, log_prob, labels, weights, ignore_index, 
         if reduction == "mean":
             factor = factor / np.ones(labels.shape, log_prob.dtype).sum(dtype=log_prob.dtype)
         grad = np.exp(log_prob, out=out)
-        n, classes = grad.shape[:2]
-        rest = grad.size // (n * classes)
-        grad.reshape(n, classes, rest)[np.arange(n)[:, None], labels.reshape(n, rest),
-                                       np.arange(rest)[None, :]] -= 1
+        view, index = _at_labels(grad, labels)
+        view[index] -= 1
         grad *= factor
         return grad
     safe, w = _picked_weights(xp, labels, weights, ignore_index, log_prob.dtype)
