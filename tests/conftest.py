@@ -128,6 +128,13 @@ def assert_declined(model: onnx.ModelProto, rule: str, reason: str):
     return report
 
 
+def assert_level_2_only(model: onnx.ModelProto, rule: str) -> None:
+    """Level 1 leaves ``model`` byte for byte as it is and never runs ``rule``."""
+    out, report = graphopt.optimize(model, level=1)
+    assert out.SerializeToString() == model.SerializeToString()
+    assert rule not in report.rules
+
+
 def assert_second_run_changes_nothing(out: onnx.ModelProto, rules, **kw):
     """A rewritten model is a fixpoint: optimizing it again with `rules` runs each of them,
     rewrites nothing and gives it back byte for byte; the report."""

@@ -6,6 +6,7 @@ import onnx
 import pytest
 from conftest import (
     assert_declined,
+    assert_level_2_only,
     assert_same_outputs,
     assert_second_run_changes_nothing,
     model_from_text,
@@ -162,10 +163,7 @@ def test_rank_1_constant_on_a_rank_0_input_is_not_fused():
 
 
 def test_not_run_at_level_1():
-    model = gelu_model()
-    out, report = graphopt.optimize(model, level=1)
-    assert out.SerializeToString() == model.SerializeToString()
-    assert RULE not in report.rules
+    assert_level_2_only(gelu_model(), RULE)
 
 
 @pytest.mark.parametrize("name", hf_exports())

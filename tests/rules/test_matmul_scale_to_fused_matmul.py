@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 from conftest import FUSED_MATMUL_DEFAULTS as DEFAULTS
 from conftest import (
+    assert_level_2_only,
     assert_no_change,
     assert_same_outputs,
     assert_second_run_changes_nothing,
@@ -180,10 +181,7 @@ def test_scale_that_is_a_graph_input_is_not_constant():
 
 
 def test_not_run_at_level_1():
-    model = build(POSITIVE["mul_after"][0])
-    out, report = graphopt.optimize(model, level=1)
-    assert out.SerializeToString() == model.SerializeToString()
-    assert RULE not in report.rules
+    assert_level_2_only(build(POSITIVE["mul_after"][0]), RULE)
 
 
 @pytest.mark.parametrize("body", ["p = MatMul(a, b)\n y = Mul(p, s)",
