@@ -7,13 +7,12 @@ import pytest
 from conftest import (
     assert_declined,
     assert_level_2_only,
-    assert_same_outputs,
-    assert_second_run_changes_nothing,
     model_from_text,
     op_types,
 )
 from support.activation_fusions import (
     assert_fused_before_differentiation,
+    assert_fused_into_one_node,
     assert_same_in_the_executor,
     fused_counts,
     hf_exports,
@@ -75,16 +74,7 @@ FORMS = ([(argument, "half_x_times_shifted") for argument in ARGUMENTS]
 
 @pytest.mark.parametrize("argument, product", FORMS)
 def test_every_form_becomes_one_fast_gelu(argument, product):
-    model = fast_gelu_model(argument, product)
-    out, report = run(model)
-    assert op_types(out) == ["FastGelu"]
-    (node,) = out.graph.node
-    assert node.domain == "com.microsoft"
-    assert list(node.input) == ["x"] and list(node.output) == ["y"]
-    assert [t.name for t in out.graph.initializer] == []
-    assert report.rules[RULE].rewrites == 1
-    assert_same_outputs(model, out, rtol=1e-5, atol=1e-6)  # onnxruntime runs both
-    assert_second_run_changes_nothing(out, [RULE])
+    assert_fused_into_one_node(fast_gelu_model(argument, product), RULE, "FastGelu", 1e-5)
 
 
 @pytest.mark.parametrize("elem", [np.float16, np.float64])

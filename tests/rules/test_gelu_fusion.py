@@ -8,13 +8,13 @@ from conftest import (
     assert_declined,
     assert_level_2_only,
     assert_same_outputs,
-    assert_second_run_changes_nothing,
     model_from_text,
     op_types,
     ort_optimized,
 )
 from support.activation_fusions import (
     assert_fused_before_differentiation,
+    assert_fused_into_one_node,
     assert_same_in_the_executor,
     fused_counts,
     hf_exports,
@@ -68,16 +68,7 @@ def run(model, **kw):
 @pytest.mark.parametrize("product", list(PRODUCTS))
 @pytest.mark.parametrize("scale", list(SCALE))
 def test_every_grouping_becomes_one_gelu(scale, product):
-    model = gelu_model(scale, product)
-    out, report = run(model)
-    assert op_types(out) == ["Gelu"]
-    (node,) = out.graph.node
-    assert node.domain == "com.microsoft"
-    assert list(node.input) == ["x"] and list(node.output) == ["y"]
-    assert [t.name for t in out.graph.initializer] == []  # the constants died with the nodes
-    assert report.rules[RULE].rewrites == 1
-    assert_same_outputs(model, out, rtol=1e-6, atol=1e-6)  # onnxruntime runs both
-    assert_second_run_changes_nothing(out, [RULE])
+    assert_fused_into_one_node(gelu_model(scale, product), RULE, "Gelu", 1e-6)
 
 
 def test_one_written_first_and_constant_nodes():

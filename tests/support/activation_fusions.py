@@ -11,7 +11,14 @@ import tempfile
 
 import numpy as np
 import onnx
-from conftest import FIXTURES, op_types, ort_optimized, random_feeds
+from conftest import (
+    FIXTURES,
+    assert_same_outputs,
+    assert_second_run_changes_nothing,
+    op_types,
+    ort_optimized,
+    random_feeds,
+)
 
 import graphopt
 from graphopt.executor import Session
@@ -97,3 +104,19 @@ def assert_same_in_the_executor(model: onnx.ModelProto, rule: str, fused_op: str
     (actual,) = Session(out, device="cpu").run(feeds).values()
     tolerance = 2e-3 if expected.dtype == np.float16 else 1e-12
     np.testing.assert_allclose(actual, expected, rtol=tolerance, atol=tolerance)
+
+
+def assert_fused_into_one_node(model: onnx.ModelProto, rule: str, fused_op: str,
+                               tolerance: float) -> None:
+    """``rule`` turns ``model`` (x -> y) into one com.microsoft ``fused_op``(x) -> y, its
+    constants gone with the nodes, computing what it did in onnxruntime within
+    ``tolerance``; optimizing again changes nothing."""
+    out, report = graphopt.optimize(model, [rule])
+    assert op_types(out) == [fused_op]
+    (node,) = out.graph.node
+    assert node.domain == "com.microsoft"
+    assert list(node.input) == ["x"] and list(node.output) == ["y"]
+    assert [t.name for t in out.graph.initializer] == []  # the constants died with the nodes
+    assert report.rules[rule].rewrites == 1
+    assert_same_outputs(model, out, rtol=tolerance, atol=1e-6)  # onnxruntime runs both
+    assert_second_run_changes_nothing(out, [rule])
