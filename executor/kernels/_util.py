@@ -152,10 +152,13 @@ def summed_by_rows(dtype) -> bool:
 _ERF32_P = (29651.078, 5020.65, 1388.3456, 99.68774, 7.5007024, 0.05370131)
 _ERF32_Q = (26277.586, 13208.611, 3005.5947, 394.82077, 30.724627, 1.0)
 _ERF32_CLAMP = 3.92
-# elements per block: Horner's rule, most of the passes, touches z and the two rows of pq only
-# (768 KiB, within a 1 MiB L2); NumPy's cost per call (~1 us, 15 calls a block) is what
-# smaller blocks pay: 32K-element blocks took 15-20% longer at 128K elements
-_ERF32_CHUNK = 1 << 16
+# elements per block: NumPy's cost per call (~1 us, 15 calls a block) is what smaller blocks
+# pay (32K-element blocks took 15-20% longer at 128K elements), and on two threads every
+# call takes the GIL: with 64K-element blocks the threads waited on each other so much that
+# two were no faster than one (GELU of 1M float32 on 2 cores: 6.1 ms, one thread 5.8 ms);
+# with 256K, 3.9 ms (GELU's gradient 8.0 -> 5.7 ms; 4M elements 19.8 -> 13.3 ms). One thread
+# takes the same time with any block from 64K to 512K: the passes stream from L3 as fast
+_ERF32_CHUNK = 1 << 18
 
 
 def _stacked(p, q):

@@ -19,11 +19,11 @@ from ._util import (
     sums_over,
 )
 
-# rows per block: ~64K elements (256 KiB of float32), so that a block's five passes (max,
-# subtract, exp, sum, scale) run in L2 instead of streaming the tensor five times; smaller
-# blocks pay NumPy's ~2 us a call more often (16K: the MQA example's 131K-element softmax
-# took 0.84 ms instead of 0.72)
-_SOFTMAX_BLOCK = 1 << 16
+# elements per row block: ~128K (512 KiB of float32). Blocks are what the threads take in
+# turn, and every NumPy call of a block takes the GIL: with two threads, 64K-element blocks
+# made them wait on each other (an 8.4M-element softmax on 2 cores: 28 ms median with 64K
+# blocks, 21 ms with 128K, the same with up to 1M; one thread is as fast with any of them)
+_SOFTMAX_BLOCK = 1 << 17
 
 
 def softmax_over(xp, x, axes, out=None):
