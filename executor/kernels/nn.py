@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from ..registry import kernel
-from ._threads import run_blocks
+from ._threads import run_rows
 from ._util import (
     compute_dtype,
     max_over,
@@ -18,12 +18,6 @@ from ._util import (
     summed_by_rows,
     sums_over,
 )
-
-# elements per row block: ~128K (512 KiB of float32). Blocks are what the threads take in
-# turn, and every NumPy call of a block takes the GIL: with two threads, 64K-element blocks
-# made them wait on each other (an 8.4M-element softmax on 2 cores: 28 ms median with 64K
-# blocks, 21 ms with 128K, the same with up to 1M; one thread is as fast with any of them)
-_SOFTMAX_BLOCK = 1 << 17
 
 
 def softmax_over(xp, x, axes, out=None):
@@ -88,7 +82,7 @@ def _softmax_rows(xp, x, rows, out):
         dst *= total[:, None]
 
     if xp is np:
-        run_blocks(rows_of, count, max(1, _SOFTMAX_BLOCK // width), x.size)
+        run_rows(rows_of, count, width)
     else:
         rows_of(0, count)
     return result
@@ -149,22 +143,40 @@ for _op, _fn in (("LogSoftmax", log_softmax_over), ("Hardmax", _hardmax_over)):
     kernel(_op, since=13)(lambda ctx, node, x, _fn=_fn: _fn(ctx.xp, x, single_axis(node, x)))
 
 
-def _layer_norm_rows(xp, x, axis, epsilon, stash_dtype):
-    """float32/float64 (every backend): (centered, mean, inv_std), the row statistics of the
-    (rows, D) view summed by einsum, mean and inv_std in the keepdims shape."""
+def _layer_norm_rows(xp, x, axis, epsilon, stash_dtype, scale=None, bias=None):
+    """float32/float64 (every backend): (y, mean, inv_std) from the row statistics of the
+    (rows, D) view summed by einsum, mean and inv_std in the keepdims shape; y is x centered,
+    times inv_std, then (when given) times the flat ``scale`` and plus the flat ``bias``, in
+    stash_dtype. On NumPy row block by row block, on several threads when large (each row is
+    computed the same way wherever the blocks are cut)."""
     rows = math.prod(x.shape[:axis])
     width = x.size // rows if rows else 0
     data = x.astype(stash_dtype, copy=False).reshape(rows, width)
-    mean = row_sums(xp, data)
-    mean /= width
     # in x's shape (a reshaped (rows, D) array would be a view: not donated on)
     result = xp.empty(x.shape, stash_dtype)
-    centered = xp.subtract(data, mean[:, None], out=result.reshape(rows, width))
-    var = row_dots(xp, centered, centered)
-    var /= width
-    var += epsilon
-    inv_std = xp.sqrt(var, out=var)
-    xp.divide(1.0, inv_std, out=inv_std)
+    y = result.reshape(rows, width)
+    mean = xp.empty(rows, stash_dtype)
+    inv_std = xp.empty(rows, stash_dtype)
+
+    def rows_of(lo, hi):
+        block_mean, block_inv = mean[lo:hi], inv_std[lo:hi]
+        xp.divide(row_sums(xp, data[lo:hi]), width, out=block_mean)
+        centered = xp.subtract(data[lo:hi], block_mean[:, None], out=y[lo:hi])
+        var = row_dots(xp, centered, centered)
+        var /= width
+        var += epsilon
+        xp.sqrt(var, out=var)
+        xp.divide(1.0, var, out=block_inv)
+        if scale is not None:
+            centered *= block_inv[:, None]
+            centered *= scale
+            if bias is not None:
+                centered += bias
+
+    if xp is np:
+        run_rows(rows_of, rows, width)
+    else:
+        rows_of(0, rows)
     stats_shape = x.shape[:axis] + (1,) * (x.ndim - axis)
     return result, mean.reshape(stats_shape), inv_std.reshape(stats_shape)
 
@@ -187,13 +199,10 @@ def layer_normalization(ctx, node, x, scale, bias=None):
     stash = np.dtype(np.float32) if node.attr("stash_type") == 1 else x.dtype
     stash = np.promote_types(stash, compute_dtype(x.dtype))
     if summed_by_rows(stash) and x.size and 0 < axis and per_row_params(x, axis, scale, bias):
-        centered, mean, inv_std = _layer_norm_rows(xp, x, axis, epsilon, stash)
-        y = centered.reshape(mean.size, -1)  # a (rows, D) view: scaled in place
-        y *= inv_std.reshape(-1, 1)
-        y *= scale.reshape(-1)
-        if bias is not None:
-            y += bias.reshape(-1)
-        return centered.astype(x.dtype, copy=False), mean, inv_std
+        y, mean, inv_std = _layer_norm_rows(
+            xp, x, axis, epsilon, stash, scale.reshape(-1),
+            None if bias is None else bias.reshape(-1))
+        return y.astype(x.dtype, copy=False), mean, inv_std
     centered, mean, inv_std = layer_norm_stats(xp, x, axis, epsilon, stash)
     y = centered  # a temporary of layer_norm_stats: scaled in place, same order
     y *= inv_std

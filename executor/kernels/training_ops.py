@@ -11,6 +11,7 @@ from graphopt.vocabulary import YIELD_OP
 from ..errors import FeedError
 from ..registry import MS_DOMAIN, kernel
 from ._scatter import check_bounds, scatter_rows
+from ._threads import run_rows
 from ._util import (
     column_dots,
     column_sums,
@@ -60,14 +61,22 @@ def _softmax_grad(ctx, dy, y, axes):
         # it is donated (dy is read elementwise before its element is written)
         rows = math.prod(y.shape[:axes[0]])
         y2, dy2 = y32.reshape(rows, -1), dy32.reshape(rows, -1)
-        total = row_dots(xp, y2, dy2)
         out = ctx.out_for(dy.shape, dy.dtype, dy) if ct == dy.dtype else None
         if out is None or not out.flags.c_contiguous:  # (its (rows, D) view would be a copy)
             # allocated in y's shape, not as a (rows, D) array reshaped: a view (an array
             # with a base) is not donated to the next in-place kernel
             out = xp.empty(y.shape, ct)
-        dx = xp.subtract(dy2, total[:, None], out=out.reshape(y2.shape))
-        dx *= y2
+        dx = out.reshape(y2.shape)
+
+        def rows_of(lo, hi):  # a block's rows of dy are read before they are written
+            total = row_dots(xp, y2[lo:hi], dy2[lo:hi])
+            block = xp.subtract(dy2[lo:hi], total[:, None], out=dx[lo:hi])
+            block *= y2[lo:hi]
+
+        if xp is np:
+            run_rows(rows_of, rows, y2.shape[1])
+        else:
+            rows_of(0, rows)
         return out.astype(y.dtype, copy=False)
     # y * (dy - sum(y * dy)) in one buffer: the product's, reused once it is summed
     dx = y32 * dy32
@@ -258,22 +267,36 @@ def _layer_norm_grad_rows(xp, dy, x, scale, mean, inv_std, ct):
     dy2 = dy.astype(ct, copy=False).reshape(rows, width)
     scale1 = scale.astype(ct, copy=False).reshape(width)
     mean1, inv1 = (a.astype(ct, copy=False).reshape(rows, 1) for a in (mean, inv_std))
-    xhat = x.astype(ct, copy=False).reshape(rows, width) - mean1
-    xhat *= inv1
-    scale_grad = column_dots(xp, dy2, xhat)
-    bias_grad = column_sums(xp, dy2)
-    # inv_std * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * scale;
+    x2 = x.astype(ct, copy=False).reshape(rows, width)
+    xhat = xp.empty((rows, width), ct)
     # allocated in x's shape (a reshaped (rows, D) array would be a view: not donated on)
     result = xp.empty(x.shape, ct)
-    dx = xp.multiply(dy2, scale1, out=result.reshape(rows, width))
-    dxhat_mean = row_sums(xp, dx)
-    dxhat_mean /= width
-    xhat_term = row_dots(xp, dx, xhat)
-    xhat_term /= width
-    dx -= dxhat_mean[:, None]
-    xhat *= xhat_term[:, None]
-    dx -= xhat
-    dx *= inv1
+    dx = result.reshape(rows, width)
+
+    def normalized(lo, hi):
+        block = xp.subtract(x2[lo:hi], mean1[lo:hi], out=xhat[lo:hi])
+        block *= inv1[lo:hi]
+
+    def rows_of(lo, hi):
+        # inv_std * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * scale
+        block, block_xhat = dx[lo:hi], xhat[lo:hi]
+        xp.multiply(dy2[lo:hi], scale1, out=block)
+        dxhat_mean = row_sums(xp, block)
+        dxhat_mean /= width
+        xhat_term = row_dots(xp, block, block_xhat)
+        xhat_term /= width
+        block -= dxhat_mean[:, None]
+        block_xhat *= xhat_term[:, None]
+        block -= block_xhat
+        block *= inv1[lo:hi]
+
+    # the row parts in blocks, on several threads when large; the parameter gradients'
+    # column sums run over all rows in one call (their bits do not depend on any cut)
+    blocks = run_rows if xp is np else (lambda fn, count, _width: fn(0, count))
+    blocks(normalized, rows, width)
+    scale_grad = column_dots(xp, dy2, xhat)
+    bias_grad = column_sums(xp, dy2)
+    blocks(rows_of, rows, width)
     return result, scale_grad, bias_grad
 
 

@@ -16,7 +16,8 @@ from graphopt.executor.kernels._util import (
     gelu_exact_grad,
 )
 from graphopt.executor.kernels.elementwise import _binary
-from graphopt.executor.kernels.nn import softmax_over
+from graphopt.executor.kernels.nn import _layer_norm_rows, softmax_over
+from graphopt.executor.kernels.training_ops import _layer_norm_grad_rows, _softmax_grad
 
 ROWS, COLS = 64, 8192  # 2**19 elements: above the threshold, split in blocks
 pytestmark = pytest.mark.skipif(_threads.workers() < 2, reason="one CPU: nothing is split")
@@ -171,3 +172,40 @@ def test_sum_blocks_equal_adds_in_order():
     ctx.donated = (donated,)
     assert sum_(ctx, node, a, donated, c) is donated
     np.testing.assert_array_equal(donated, expected)
+
+
+def _unsplit(monkeypatch):
+    """Kernels from now on on one thread, in one block per call (for a reference)."""
+    monkeypatch.setattr(_threads, "_WORKERS", 1)
+    monkeypatch.setattr(_threads, "ROW_BLOCK", 1 << 40)
+
+
+def test_softmax_grad_blocks_equal_one_pass(monkeypatch):
+    ctx = KernelContext(select_backend("cpu"), None, False, 0)
+    y = softmax_over(np, _x().reshape(8, 8, COLS), (2,))
+    dy = _x(y.shape, seed=1)
+    split = _softmax_grad(ctx, dy, y, (2,))
+    want = y.astype(np.float64) * (dy - (dy.astype(np.float64) * y).sum(-1, keepdims=True))
+    np.testing.assert_allclose(split, want, rtol=1e-4, atol=1e-9)
+    _unsplit(monkeypatch)
+    np.testing.assert_array_equal(split, _softmax_grad(ctx, dy, y, (2,)))
+
+
+def test_layer_norm_and_its_gradient_blocks_equal_one_pass(monkeypatch):
+    x, dy = _x((ROWS * 32, 256)), _x((ROWS * 32, 256), seed=1)
+    scale, bias = _x((256,), seed=2), _x((256,), seed=3)
+    y, mean, inv_std = _layer_norm_rows(np, x, 1, 1e-5, np.dtype(np.float32), scale, bias)
+    x64 = x.astype(np.float64)
+    centered = x64 - x64.mean(1, keepdims=True)
+    xhat = centered / np.sqrt((centered * centered).mean(1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(y, xhat * scale + bias, rtol=1e-4, atol=1e-5)
+    grads = _layer_norm_grad_rows(np, dy, x, scale, mean, inv_std, np.dtype(np.float32))
+    np.testing.assert_allclose(grads[1], (dy * xhat).sum(0), rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(grads[2], dy.astype(np.float64).sum(0), rtol=1e-4, atol=1e-3)
+    _unsplit(monkeypatch)
+    one_pass = _layer_norm_rows(np, x, 1, 1e-5, np.dtype(np.float32), scale, bias)
+    for got, want in zip((y, mean, inv_std), one_pass, strict=True):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(grads, _layer_norm_grad_rows(np, dy, x, scale, mean, inv_std,
+                                                      np.dtype(np.float32)), strict=True):
+        np.testing.assert_array_equal(got, want)
