@@ -16,15 +16,29 @@ before a large product, before a caller's hook runs, and when the run ends (also
 kernel raises), so code outside the executor never sees the changed count. A product made
 outside a run (``plain_matmul`` called directly) switches and restores around itself.
 Without threadpoolctl, or without a BLAS it can control, products run as they always did.
+
+Mid-size products (MID_FLOPS to SERIAL_FLOPS: the projections of a small model's training
+step) gain from BLAS's threads on a quiet machine (the `--example mqa` training step 12-15%
+faster on 2 cores) and lose badly on a busy one. So within a session they adapt: each shape
+first runs on one thread, and its best time there is kept; from then on it runs on BLAS's
+threads, and when two threaded products of one run take STALL_FACTOR times their best serial
+time (BLAS's worker was not running), mid-size products go back to one thread for
+BACKOFF_RUNS runs, then try again. On a busy machine that costs two slow products every
+BACKOFF_RUNS runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 
 import numpy as np
 
 SERIAL_FLOPS = 1 << 26  # 2*M*N*K of one GEMM call below this: one BLAS thread (~1 ms)
+# 2*M*N*K from here to SERIAL_FLOPS: within a run, BLAS's own threads while they keep up
+MID_FLOPS = 1 << 22
+STALL_FACTOR = 3.0  # a threaded product this much slower than its best on one thread
+BACKOFF_RUNS = 16  # runs whose mid-size products go back to one thread after a stall
 
 _controllers: list | None = None
 
@@ -76,14 +90,20 @@ class BlasThreads:
     large product, a caller's hook or the end of the run. Outside them every small product
     restores the count right after itself."""
 
-    __slots__ = ("_lowered", "_holding")
+    __slots__ = ("_lowered", "_holding", "_runs", "_serial_until", "_best_serial", "_stalls")
 
     def __init__(self):
         self._lowered: list | None = None  # (controller, count) pairs while lowered
         self._holding = False
+        self._runs = 0  # runs held so far
+        self._serial_until = 0  # mid-size products on one thread until this run (a stall)
+        self._best_serial: dict[tuple, float] = {}  # a mid-size shape's best serial seconds
+        self._stalls = 0  # threaded mid-size products of this run that stalled
 
     def hold(self) -> None:
         self._holding = True
+        self._runs += 1
+        self._stalls = 0
 
     def release(self) -> None:
         self._holding = False
@@ -94,6 +114,34 @@ class BlasThreads:
         lowered, self._lowered = self._lowered, None
         if lowered:
             _restore(lowered)
+
+    def small_matmul(self, a, b, flops: int):
+        """A product below SERIAL_FLOPS (``flops``: 2*M*N*K of one GEMM call): on one thread,
+        or on BLAS's threads when it is a run's mid-size product and they keep up."""
+        if self._holding and flops >= MID_FLOPS:
+            return self._mid_matmul(a, b)
+        return self.serial_matmul(a, b)
+
+    def _mid_matmul(self, a, b):
+        shape = (a.shape, b.shape, a.dtype, b.dtype)
+        best = self._best_serial.get(shape)
+        if best is None or self._runs <= self._serial_until:
+            start = _clock()
+            out = self.serial_matmul(a, b)
+            elapsed = _clock() - start
+            if best is None or elapsed < best:
+                self._best_serial[shape] = elapsed
+            return out
+        self.restore()
+        start = _clock()
+        out = _numpy_matmul(a, b)
+        if _clock() - start > STALL_FACTOR * best:
+            # the first threaded product after a quiet stretch waits for BLAS's sleeping
+            # threads to wake: only a second stall in one run is taken for a busy machine
+            self._stalls += 1
+            if self._stalls >= 2:
+                self._serial_until = self._runs + BACKOFF_RUNS
+        return out
 
     def serial_matmul(self, a, b):
         """``a @ b`` on one BLAS thread."""
@@ -121,7 +169,8 @@ def matmul(xp, a, b, blas: BlasThreads | None = None):
     if blas is None:
         with one_thread():
             return _numpy_matmul(a, b)
-    return blas.serial_matmul(a, b)
+    return blas.small_matmul(a, b, 2 * a.shape[-2] * a.shape[-1] * b.shape[-1])
 
 
 _numpy_matmul = np.matmul  # a name of this module, so a test can watch the calls
+_clock = time.perf_counter  # and one a test can drive

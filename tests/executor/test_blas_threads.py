@@ -17,13 +17,20 @@ def _blas_threads_now() -> int:
 
 
 @pytest.fixture
-def two_blas_threads():
+def blas_on_two_threads():
     if not blas_threads._blas_controllers():
         pytest.skip("threadpoolctl finds no BLAS to control")
     with threadpoolctl.threadpool_limits(2, user_api="blas"):
         if _blas_threads_now() < 2:
             pytest.skip("BLAS runs one thread here")
         yield
+
+
+@pytest.fixture
+def two_blas_threads(blas_on_two_threads, monkeypatch):
+    """Two BLAS threads, every product below SERIAL_FLOPS a small one (no mid-size products,
+    which the tests at the end of this file look at)."""
+    monkeypatch.setattr(blas_threads, "MID_FLOPS", blas_threads.SERIAL_FLOPS)
 
 
 class _RecordingNumpy:
@@ -167,3 +174,70 @@ def test_hooks_see_the_blas_count_of_the_caller(two_blas_threads):
                 observer=lambda step, name, live: seen.append(("observer", _blas_threads_now())))
     assert seen == [("step", 2), ("observer", 2)] * 3
     assert _blas_threads_now() == 2
+
+
+class _Clock:
+    """blas_threads' clock, advanced by the recording matmul: a product's duration is what
+    the test says it takes on one thread and on two."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _timed_products(monkeypatch, serial_s, threaded_s):
+    """Every product records its BLAS thread count and moves the clock on by the time the
+    test gives for that count (``threaded_s``: a list, one entry taken per threaded product,
+    the last one repeated)."""
+    clock, seen, times = _Clock(), [], list(threaded_s)
+    monkeypatch.setattr(blas_threads, "_clock", clock)
+
+    def product(a, b):
+        threads = _blas_threads_now()
+        seen.append(threads)
+        clock.now += serial_s if threads == 1 else (times.pop(0) if len(times) > 1 else times[0])
+        return np.matmul(a, b)
+
+    monkeypatch.setattr(blas_threads, "_numpy_matmul", product)
+    return seen
+
+
+# 512 rows of 64 times (64 x 64): 2*512*64*64 flops, a mid-size product; two per run
+MID = (64, 64, 64)
+
+
+def _mid_runs(runs):
+    assert blas_threads.MID_FLOPS <= 2 * 512 * 64 * 64 < blas_threads.SERIAL_FLOPS
+    session = Session(_chain_model(MID), device="cpu")
+    feeds = _chain_feeds(512, MID)
+    for _ in range(runs):
+        session.run(feeds)
+
+
+def test_mid_size_products_run_threaded_once_their_serial_time_is_known(
+        blas_on_two_threads, monkeypatch):
+    seen = _timed_products(monkeypatch, serial_s=1.0, threaded_s=[0.6])
+    _mid_runs(2)
+    # the shape's first product on one thread (its serial time), then on BLAS's two
+    assert seen == [1, 2, 2, 2]
+    assert _blas_threads_now() == 2
+
+
+def test_stalled_threaded_products_go_back_to_one_thread_then_try_again(
+        blas_on_two_threads, monkeypatch):
+    # threaded products take 4x the serial time (a busy machine) from the second run on
+    seen = _timed_products(monkeypatch, serial_s=1.0, threaded_s=[0.6, 4.0])
+    _mid_runs(2 + blas_threads.BACKOFF_RUNS + 1)
+    assert seen[:4] == [1, 2, 2, 2]  # run 1: serial, then threaded; run 2: threaded
+    # two stalls in run 2: the next BACKOFF_RUNS runs on one thread, then threaded again
+    assert seen[4:4 + 2 * blas_threads.BACKOFF_RUNS] == [1] * (2 * blas_threads.BACKOFF_RUNS)
+    assert seen[-2:] == [2, 2]
+
+
+def test_one_slow_threaded_product_is_not_a_stall(blas_on_two_threads, monkeypatch):
+    """The first threaded product after a quiet stretch waits for BLAS's threads to wake."""
+    seen = _timed_products(monkeypatch, serial_s=1.0, threaded_s=[0.6, 4.0, 0.6])
+    _mid_runs(4)
+    assert seen == [1, 2] + [2, 2] * 3
