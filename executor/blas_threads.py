@@ -18,13 +18,14 @@ outside a run (``plain_matmul`` called directly) switches and restores around it
 Without threadpoolctl, or without a BLAS it can control, products run as they always did.
 
 Mid-size products (MID_FLOPS to SERIAL_FLOPS: the projections of a small model's training
-step) gain from BLAS's threads on a quiet machine (the `--example mqa` training step 12-15%
-faster on 2 cores) and lose badly on a busy one. So within a session they adapt: each shape
-first runs on one thread, and its best time there is kept; from then on it runs on BLAS's
-threads, and when two threaded products of one run take STALL_FACTOR times their best serial
-time (BLAS's worker was not running), mid-size products go back to one thread for
-BACKOFF_RUNS runs, then try again. On a busy machine that costs two slow products every
-BACKOFF_RUNS runs.
+step) gain from BLAS's threads on a quiet machine (on 2 cores the `--example mqa` training
+step was 12-15% faster with every product threaded, about 5% with this adaptation) and lose
+badly on a busy one (with a CPU hog beside it, 1.9x as slow with every product threaded).
+So within a session they adapt: each shape first runs on one thread, and its best time there
+is kept; from then on it runs on BLAS's threads, and when two threaded products of one run
+take STALL_FACTOR times their best serial time (BLAS's worker was not running), mid-size
+products go back to one thread for BACKOFF_RUNS runs, then try again. On a busy machine that
+costs two slow products every BACKOFF_RUNS runs.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 THRESHOLD = 1 << 18  # elements
 # elements in one block of a row kernel (softmax and its gradient, LayerNorm and its
 # gradient), ~512 KiB of float32. The threads take blocks in turn, and every NumPy call of a
@@ -84,9 +86,13 @@ def run_split(fn, rows: int, parts: int) -> None:
         job[0] = None
 
 
-def run_rows(fn, rows: int, width: int) -> None:
-    """``fn(start, stop)`` over ``range(rows)`` rows of ``width`` elements, in blocks of about
-    ROW_BLOCK elements, on several threads when large (run_blocks)."""
+def run_rows(xp, fn, rows: int, width: int) -> None:
+    """``fn(start, stop)`` over ``range(rows)`` rows of ``width`` elements: on NumPy in blocks
+    of about ROW_BLOCK elements, on several threads when large (run_blocks); on another array
+    module (CuPy: its kernels are parallel already) in one call."""
+    if xp is not np:
+        fn(0, rows)
+        return
     run_blocks(fn, rows, max(1, ROW_BLOCK // max(width, 1)), rows * width)
 
 

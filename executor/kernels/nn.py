@@ -81,10 +81,7 @@ def _softmax_rows(xp, x, rows, out):
         xp.reciprocal(total, out=total)
         dst *= total[:, None]
 
-    if xp is np:
-        run_rows(rows_of, count, width)
-    else:
-        rows_of(0, count)
+    run_rows(xp, rows_of, count, width)
     return result
 
 
@@ -143,10 +140,10 @@ for _op, _fn in (("LogSoftmax", log_softmax_over), ("Hardmax", _hardmax_over)):
     kernel(_op, since=13)(lambda ctx, node, x, _fn=_fn: _fn(ctx.xp, x, single_axis(node, x)))
 
 
-def _layer_norm_rows(xp, x, axis, epsilon, stash_dtype, scale=None, bias=None):
+def _layer_norm_rows(xp, x, axis, epsilon, stash_dtype, scale, bias=None):
     """float32/float64 (every backend): (y, mean, inv_std) from the row statistics of the
     (rows, D) view summed by einsum, mean and inv_std in the keepdims shape; y is x centered,
-    times inv_std, then (when given) times the flat ``scale`` and plus the flat ``bias``, in
+    times inv_std, times the flat ``scale`` and plus the flat ``bias`` (when given), in
     stash_dtype. On NumPy row block by row block, on several threads when large (each row is
     computed the same way wherever the blocks are cut)."""
     rows = math.prod(x.shape[:axis])
@@ -167,16 +164,12 @@ def _layer_norm_rows(xp, x, axis, epsilon, stash_dtype, scale=None, bias=None):
         var += epsilon
         xp.sqrt(var, out=var)
         xp.divide(1.0, var, out=block_inv)
-        if scale is not None:
-            centered *= block_inv[:, None]
-            centered *= scale
-            if bias is not None:
-                centered += bias
+        centered *= block_inv[:, None]
+        centered *= scale
+        if bias is not None:
+            centered += bias
 
-    if xp is np:
-        run_rows(rows_of, rows, width)
-    else:
-        rows_of(0, rows)
+    run_rows(xp, rows_of, rows, width)
     stats_shape = x.shape[:axis] + (1,) * (x.ndim - axis)
     return result, mean.reshape(stats_shape), inv_std.reshape(stats_shape)
 

@@ -73,10 +73,7 @@ def _softmax_grad(ctx, dy, y, axes):
             block = xp.subtract(dy2[lo:hi], total[:, None], out=dx[lo:hi])
             block *= y2[lo:hi]
 
-        if xp is np:
-            run_rows(rows_of, rows, y2.shape[1])
-        else:
-            rows_of(0, rows)
+        run_rows(xp, rows_of, rows, y2.shape[1])
         return out.astype(y.dtype, copy=False)
     # y * (dy - sum(y * dy)) in one buffer: the product's, reused once it is summed
     dx = y32 * dy32
@@ -292,11 +289,10 @@ def _layer_norm_grad_rows(xp, dy, x, scale, mean, inv_std, ct):
 
     # the row parts in blocks, on several threads when large; the parameter gradients'
     # column sums run over all rows in one call (their bits do not depend on any cut)
-    blocks = run_rows if xp is np else (lambda fn, count, _width: fn(0, count))
-    blocks(normalized, rows, width)
+    run_rows(xp, normalized, rows, width)
     scale_grad = column_dots(xp, dy2, xhat)
     bias_grad = column_sums(xp, dy2)
-    blocks(rows_of, rows, width)
+    run_rows(xp, rows_of, rows, width)
     return result, scale_grad, bias_grad
 
 
