@@ -40,6 +40,7 @@ SERIAL_FLOPS = 1 << 26  # 2*M*N*K of one GEMM call below this: one BLAS thread (
 MID_FLOPS = 1 << 22
 STALL_FACTOR = 3.0  # a threaded product this much slower than its best on one thread
 BACKOFF_RUNS = 16  # runs whose mid-size products go back to one thread after a stall
+KEPT_SHAPES = 1024  # best serial times kept (dynamic shapes make new ones): then forgotten
 
 _controllers: list | None = None
 
@@ -130,6 +131,8 @@ class BlasThreads:
             start = _clock()
             out = self.serial_matmul(a, b)
             elapsed = _clock() - start
+            if best is None and len(self._best_serial) >= KEPT_SHAPES:
+                self._best_serial.clear()  # each shape learns its time again
             if best is None or elapsed < best:
                 self._best_serial[shape] = elapsed
             return out

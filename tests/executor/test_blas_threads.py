@@ -241,3 +241,16 @@ def test_one_slow_threaded_product_is_not_a_stall(blas_on_two_threads, monkeypat
     seen = _timed_products(monkeypatch, serial_s=1.0, threaded_s=[0.6, 4.0, 0.6])
     _mid_runs(4)
     assert seen == [1, 2] + [2, 2] * 3
+
+
+def test_the_serial_times_kept_are_bounded(blas_on_two_threads, monkeypatch):
+    """Dynamic shapes make a new mid-size shape per batch size: past KEPT_SHAPES the times
+    are forgotten (and learnt again), not kept forever."""
+    monkeypatch.setattr(blas_threads, "KEPT_SHAPES", 3)
+    seen = _timed_products(monkeypatch, serial_s=1.0, threaded_s=[0.6])
+    session = Session(_chain_model((64, 64)), device="cpu")
+    for rows in (512, 520, 528, 536, 512):
+        session.run(_chain_feeds(rows, (64, 64)))
+    assert len(session._ctx.blas._best_serial) <= 3
+    # 512 rows was forgotten when the fourth shape came: serial again on its second visit
+    assert seen == [1, 1, 1, 1, 1]
