@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__
         const,
         constant,
         fan_out,
+        inner_nodes_read_only_by_match,
         is_float,
         one_of,
         op,
@@ -35,7 +36,8 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__
 _EXPORTS = {
     "optimize": "api", "optimize_file": "api", "select_rules": "api",
     "Pass": "dsl", "Rule": "dsl", "attr": "dsl", "check": "dsl", "const": "dsl",
-    "constant": "dsl", "fan_out": "dsl", "is_float": "dsl", "one_of": "dsl", "op": "dsl",
+    "constant": "dsl", "fan_out": "dsl", "inner_nodes_read_only_by_match": "dsl",
+    "is_float": "dsl", "one_of": "dsl", "op": "dsl",
     "produced_by": "dsl", "scalar_const": "dsl", "single_consumer": "dsl", "var": "dsl",
     "GraphoptError": "errors",
     "load": "modelio", "save": "modelio",

@@ -191,6 +191,32 @@ def single_consumer(node: str, reason: str | None = None) -> Callable:
     return constraint
 
 
+def inner_nodes_read_only_by_match() -> Callable:
+    """Every matched node but the match's roots is read only by matched nodes and is no graph
+    output: the rewrite's dead-node removal then takes them all with the match, instead of
+    their part being computed twice."""
+
+    def constraint(m):
+        matched = set(m.nodes)
+        found = _read_outside(m.graph, matched.difference(m.roots), matched)
+        if found is None:
+            return True
+        node_id, out = found
+        return (f"output {out!r} of a {m.graph.node(node_id).op_type} in the pattern "
+                "has other consumers")
+    return constraint
+
+
+def _read_outside(graph, node_ids, inside: set):
+    """(node, output) of the first of ``node_ids`` with an output that is a graph output or
+    is read by a node not in ``inside``; None when every output stays inside."""
+    for node_id in node_ids:
+        for out in graph.node(node_id).output:
+            if graph.is_output(out) or not inside.issuperset(graph.consumers_of(out)):
+                return node_id, out
+    return None
+
+
 def _bound_tensor(m, name: str) -> str:
     """matching.views.bound_tensor, imported on first use (graphopt.matching imports this
     module); the global is then rebound to it."""
@@ -232,11 +258,9 @@ def produced_by(tensor: str, pattern: Expr | OneOf, shared: Iterable[str] = (),
         for var_name in shared:
             if _bound_tensor(found, var_name) != _bound_tensor(m, var_name):
                 return f"{reason} of the same '{var_name}'"
-        inside = set(found.nodes).union(m.nodes)
-        for node_id in found.nodes:
-            for out in graph.node(node_id).output:
-                if graph.is_output(out) or not inside.issuperset(graph.consumers_of(out)):
-                    return f"{reason} read only by the pattern ('{out}' has other consumers)"
+        outside = _read_outside(graph, found.nodes, set(found.nodes).union(m.nodes))
+        if outside is not None:
+            return f"{reason} read only by the pattern ('{outside[1]}' has other consumers)"
         return True
     constraint.reason = f"'{tensor}' is not {what}"
     return constraint

@@ -6,7 +6,14 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from graphopt.dsl import one_of, op, produced_by, scalar_const, var
+from graphopt.dsl import (
+    inner_nodes_read_only_by_match,
+    one_of,
+    op,
+    produced_by,
+    scalar_const,
+    var,
+)
 
 # the types of com.microsoft Gelu and FastGelu (ONNX Runtime's fusions check the same)
 FUSED_TYPES = (np.float16, np.float32, np.float64)
@@ -37,19 +44,6 @@ def float_input(m):
     return elem in FUSED_ELEM_TYPES or f"x has element type {elem}, not float16/32/64"
 
 
-def inner_nodes_feed_only_the_pattern(m):
-    """Every matched node but the last is read only by matched nodes (and is no graph
-    output): the fusion then removes them all, instead of computing their part twice (and,
-    in a training graph, taking a forward node out of the YieldOp's ancestry)."""
-    graph, matched = m.graph, set(m.nodes)
-    for node_id in matched.difference(m.roots):
-        for out in graph.node(node_id).output:
-            if graph.is_output(out) or not matched.issuperset(graph.consumers_of(out)):
-                return (f"output {out!r} of a {graph.node(node_id).op_type} in the pattern "
-                        "has other consumers")
-    return True
-
-
 x = var("x")
 one = formula_constant("one", 1.0, "1")
 half = formula_constant("half", 0.5, "0.5")
@@ -67,8 +61,10 @@ def half_x_times_one_plus(activation):
 def constraints(argument: str, computed_by, what: str) -> list:
     """The ``where`` of a fusion matched by half_x_times_one_plus(f(argument)): float x, the
     rank kept, every node of the match and of the argument's sub-pattern ``computed_by`` (of
-    the same x) read only by the fusion."""
-    return [float_input, _keeps_rank(argument, what), inner_nodes_feed_only_the_pattern,
+    the same x) read only by the fusion (else the fused node would compute their part a
+    second time and, in a training graph, take a forward node out of the YieldOp's
+    ancestry)."""
+    return [float_input, _keeps_rank(argument, what), inner_nodes_read_only_by_match(),
             produced_by(argument, computed_by, shared=("x",), what=what)]
 
 
