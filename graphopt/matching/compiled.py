@@ -72,6 +72,7 @@ class CompiledPattern:
 
 
 _compiled: dict[int, tuple[object, CompiledPattern]] = {}
+_MAX_KEPT = 1024  # patterns made on the fly (tests, plugins' factories) past this: forgotten
 
 
 def compiled_pattern(pattern: Expr | FanOut | OneOf) -> CompiledPattern:
@@ -81,13 +82,10 @@ def compiled_pattern(pattern: Expr | FanOut | OneOf) -> CompiledPattern:
     key = id(pattern)
     entry = _compiled.get(key)
     if entry is None or entry[0] is not pattern:  # the pattern it was made for is kept alive
-        if len(_compiled) >= _MAX_KEPT:  # rules made on the fly (tests, plugins' factories)
+        if len(_compiled) >= _MAX_KEPT:
             _compiled.clear()
         entry = _compiled[key] = (pattern, CompiledPattern(pattern))
     return entry[1]
-
-
-_MAX_KEPT = 1024
 
 
 def _node_itself(graph: Graph, node_id: int) -> int:
