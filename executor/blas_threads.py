@@ -166,14 +166,15 @@ def matmul(xp, a, b, blas: BlasThreads | None = None):
     without it the count is switched and restored around this product."""
     if xp is not np or a.ndim < 2 or b.ndim < 2:
         return xp.matmul(a, b)
-    if 2 * a.shape[-2] * a.shape[-1] * b.shape[-1] >= SERIAL_FLOPS or not _blas_controllers():
+    flops = 2 * a.shape[-2] * a.shape[-1] * b.shape[-1]  # of one GEMM call
+    if flops >= SERIAL_FLOPS or not _blas_controllers():
         if blas is not None:
             blas.restore()
         return _numpy_matmul(a, b)
     if blas is None:
         with one_thread():
             return _numpy_matmul(a, b)
-    return blas.small_matmul(a, b, 2 * a.shape[-2] * a.shape[-1] * b.shape[-1])
+    return blas.small_matmul(a, b, flops)
 
 
 _numpy_matmul = np.matmul  # a name of this module, so a test can watch the calls
