@@ -97,6 +97,8 @@ class Step:
     # (input position, slot) of inputs 0 and 1 read last here, once, and made by an earlier
     # node: the session may hand such an array to the kernel to write its result into
     donatable: tuple[tuple[int, int], ...] = ()
+    # (keyword, slot): earlier results the kernel takes beyond its inputs (KernelSpec.reads_also)
+    also: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(eq=False)
@@ -185,9 +187,10 @@ def build_plan(
     for name in list(available) + [o for n in nodes for o in n.outputs if o]:
         slot_of.setdefault(name, len(slot_of))
 
+    also = [_reads_also(i, node, nodes) for i, node in enumerate(nodes)]
     last_use: dict[str, int] = {name: -1 for name in slot_of}
     for i, node in enumerate(nodes):
-        for name in node.inputs:
+        for name in list(node.inputs) + list(also[i].values()):
             if name:
                 last_use[name] = i
     kept = set(fetches)
@@ -218,7 +221,25 @@ def build_plan(
             backward=node.is_backward,
             gemm=node.spec.gemm,
             donatable=donatable(i, node) if node.spec.inplace else (),
+            also=tuple((keyword, slot_of[name]) for keyword, name in also[i].items()),
         )
         for i, node in enumerate(nodes)
     ]
     return Plan(steps=steps, slot_of=slot_of, fetches=tuple(fetches), last_use=last_use)
+
+
+def _reads_also(i: int, node: PlannedNode, nodes: Sequence[PlannedNode]) -> dict[str, str]:
+    """{keyword: tensor} the kernel of ``nodes[i]`` asks for beyond its inputs, each an output
+    of one of ``nodes[:i]`` (KernelSpec.reads_also)."""
+    chooser = node.spec.reads_also if node.spec is not None else None
+    if chooser is None:
+        return {}
+
+    def earlier_readers(name: str) -> list[PlannedNode]:
+        return [n for n in nodes[:i] if name in n.inputs]
+
+    chosen = dict(chooser(node, earlier_readers))
+    made_before = {o for n in nodes[:i] for o in n.outputs if o}
+    if not all(name in made_before for name in chosen.values()):
+        raise ValueError(f"{node.label()}: reads_also chose a tensor no earlier node makes")
+    return chosen

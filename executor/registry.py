@@ -5,7 +5,10 @@ per-run KernelContext, ``node`` the PlannedNode (attributes already decoded) and
 the node's inputs in order, ``None`` for an omitted optional input. Kernels never mutate
 their inputs; they may mutate arrays they allocated themselves, and a kernel registered
 with ``inplace=True`` may write its result into an input found in ``ctx.donated`` (an
-array of input 0 or 1 that no one else holds any more: see Session.run).
+array of input 0 or 1 that no one else holds any more: see Session.run). A kernel registered
+with ``reads_also`` may be handed, as keyword arguments, tensors that other nodes of the same
+run computed before it (a forward result it would otherwise compute again): see
+``KernelSpec.reads_also``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,12 @@ class KernelSpec:
     fn: Callable
     gemm: bool  # routes its products through executor.gemm.matmul (FP16 policy applies)
     inplace: bool = False  # may write its result into a donated input (ctx.donated)
+    # ``reads_also(node, earlier_readers) -> {keyword: tensor name}``: tensors of the run
+    # that the kernel takes as keyword arguments beyond its node's inputs, chosen at plan time
+    # among the outputs of the planned nodes that run before it; ``earlier_readers(name)``
+    # lists those nodes that read the tensor ``name``. The plan keeps them alive until the
+    # kernel has run; the kernel must compute the same result (to rounding) without them.
+    reads_also: Callable | None = None
 
     @property
     def opset_range(self) -> str:
@@ -44,6 +53,7 @@ def kernel(
     until: int = LATEST,
     gemm: bool = False,
     inplace: bool = False,
+    reads_also: Callable | None = None,
 ) -> Callable[[Callable], Callable]:
     """Register the decorated function for each op type over opsets [since, until]."""
 
@@ -54,7 +64,8 @@ def kernel(
             for other in specs:
                 if other.since <= until and since <= other.until:
                     raise ValueError(f"overlapping kernels for {key} opsets {since}-{until}")
-            specs.append(KernelSpec(key[0], op_type, since, until, fn, gemm, inplace))
+            specs.append(KernelSpec(key[0], op_type, since, until, fn, gemm, inplace,
+                                     reads_also))
             specs.sort(key=lambda s: s.since)
         return fn
 

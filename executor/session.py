@@ -285,15 +285,16 @@ class Session:
         try:
             for index, step in enumerate(plan.steps):
                 args = [values[s] if s >= 0 else None for s in step.in_slots]
+                also = {k: values[s] for k, s in step.also} if step.also else _NOTHING_ELSE
                 if step.donatable and donate:
                     ctx.donated = _donations(step, args, values)
                 try:
                     # only GEMM-class products consult the policy (its node name and
                     # BackwardPassGuard): every other node is called directly
                     if numerics is None or not step.gemm:
-                        result = step.fn(ctx, step.node, *args)
+                        result = step.fn(ctx, step.node, *args, **also)
                     else:
-                        result = self._run_with_numerics(step, args)
+                        result = self._run_with_numerics(step, args, also)
                 except ExecutorError:
                     raise
                 except Exception as exc:
@@ -304,7 +305,7 @@ class Session:
                     blas.restore()  # the caller's code sees BLAS's own thread count
                     on_step(index, step.node,
                             tuple(result) if isinstance(result, (tuple, list)) else (result,))
-                result = args = None  # hold no reference a later donation check would see
+                result = args = also = None  # hold no reference a later donation check would see
                 for slot in step.release:
                     values[slot] = None
                 if observer is not None:
@@ -320,7 +321,7 @@ class Session:
             return {name: values[plan.slot_of[name]] for name in plan.fetches}
         return {name: self.backend.to_host(values[plan.slot_of[name]]) for name in plan.fetches}
 
-    def _run_with_numerics(self, step, args):
+    def _run_with_numerics(self, step, args, also):
         numerics = self.numerics
         if step.gemm:
             try:
@@ -333,7 +334,7 @@ class Session:
             else contextlib.nullcontext()
         )
         with guard:
-            return step.fn(self._ctx, step.node, *args)
+            return step.fn(self._ctx, step.node, *args, **also)
 
     @staticmethod
     def _store(step, result, values) -> None:
@@ -349,6 +350,9 @@ class Session:
                     values[slot] = value
         else:
             values[step.out_slots[0]] = result
+
+
+_NOTHING_ELSE: dict = {}  # the keyword arguments of a kernel that reads nothing else
 
 
 def _donations(step, args, values) -> tuple:

@@ -17,6 +17,7 @@ from ._util import (
     column_sums,
     compute_dtype,
     gelu_exact_grad,
+    gelu_exact_grad_from_output,
     gelu_tanh_grad,
     norm_axis,
     row_dots,
@@ -192,8 +193,36 @@ def relu_grad(ctx, node, dy, x):
     return ctx.xp.where(x > 0, dy, 0).astype(dy.dtype, copy=False)
 
 
-@_ms("GeluGrad")
-def gelu_grad(ctx, node, dy, x):
+def _forward_gelu(node, earlier_readers) -> dict[str, str]:
+    """GeluGrad(dY, X) reads gelu(X) when the run computed it before: the output of an exact
+    GeLU of the same X (com.microsoft Gelu, ONNX Gelu with approximate 'none');
+    BiasGeluGrad_dX(dY, X, B) the output of BiasGelu(X, B)."""
+    arguments = node.inputs[1:]
+    if not arguments or not all(arguments):
+        return {}
+    for reader in earlier_readers(arguments[0]):
+        if reader.op_type == "BiasGelu":
+            exact = reader.domain == MS_DOMAIN and node.op_type == "BiasGeluGrad_dX"
+        else:
+            exact = (reader.op_type == "Gelu" and node.op_type == "GeluGrad"
+                     and (reader.domain == MS_DOMAIN
+                          or (reader.domain == "" and reader.attr("approximate") == "none")))
+        if exact and reader.inputs == arguments and reader.outputs[:1] != ("",):
+            return {"gelu_x": reader.outputs[0]}
+    return {}
+
+
+def _from_forward(ctx, dy, x, gelu_x) -> bool:
+    """Whether the gradient can be read off the forward's float32 NumPy GeLU ``gelu_x``."""
+    return (ctx.xp is np and gelu_x is not None and x.dtype == np.float32
+            and dy.dtype == np.float32 and gelu_x.dtype == np.float32
+            and gelu_x.shape == x.shape == dy.shape)
+
+
+@_ms("GeluGrad", reads_also=_forward_gelu)
+def gelu_grad(ctx, node, dy, x, gelu_x=None):
+    if _from_forward(ctx, dy, x, gelu_x):  # Phi(x) off gelu(x): the erf is most of the work
+        return gelu_exact_grad_from_output(dy, x, gelu_x)
     return _with_dtype(lambda g, v: g * gelu_exact_grad(ctx.xp, v), dy, x)
 
 
@@ -202,8 +231,10 @@ def fast_gelu_grad(ctx, node, dy, x):
     return _with_dtype(lambda g, v: g * gelu_tanh_grad(ctx.xp, v), dy, x)
 
 
-@_ms("BiasGeluGrad_dX")
-def bias_gelu_grad_dx(ctx, node, dy, x, bias):
+@_ms("BiasGeluGrad_dX", reads_also=_forward_gelu)
+def bias_gelu_grad_dx(ctx, node, dy, x, bias, gelu_x=None):
+    if _from_forward(ctx, dy, x, gelu_x) and bias.dtype == np.float32:
+        return gelu_exact_grad_from_output(dy, x + bias, gelu_x)
     return _with_dtype(lambda g, v, b: g * gelu_exact_grad(ctx.xp, v + b), dy, x, bias)
 
 

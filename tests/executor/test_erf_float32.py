@@ -21,6 +21,7 @@ from graphopt.executor.kernels._util import (
     erf,
     gelu_exact,
     gelu_exact_grad,
+    gelu_exact_grad_from_output,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,6 +33,9 @@ SUBNORMAL_ULPS = 1         # below: in steps of 2**-149 (0.95)
 WORST_X = 3.2803822
 GELU_REL = 2.8e-7          # |gelu32(x) - gelu(x)| / |x| (2.72e-7)
 GELU_GRAD_ABS = 2.8e-7     # |gelu'32(x) - gelu'(x)|, gelu' in [-0.17, 1.13] (2.76e-7)
+# the same, with Phi(x) read off the forward's float32 gelu(x) / x (3.29e-7): the quotient adds
+# two roundings
+GELU_GRAD_FROM_OUTPUT_ABS = 3.3e-7
 TINY = 2.0 ** -126
 
 _exact = np.frompyfunc(math.erf, 1, 1)
@@ -160,6 +164,54 @@ def test_gelu_and_its_gradient_float32_are_within_their_measured_error():
     assert 0.9 * GELU_GRAD_ABS < err.max() <= GELU_GRAD_ABS
     # GELU is bounded by its input and 0, and by the float64 formula's sign for large |x|
     assert (np.abs(got) <= np.abs(x)).all() and (got * x >= 0).all()
+
+
+def _gelu_sweep():
+    x = np.concatenate([np.linspace(-12, 12, 1_000_001, dtype=np.float32),
+                        (10.0 ** np.random.default_rng(0).uniform(-37, 1, 100_000)).astype(
+                            np.float32)])
+    return np.concatenate([x, -x])
+
+
+def test_gelu_gradient_read_off_the_forward_output_is_within_its_measured_error():
+    x = _gelu_sweep()
+    x64 = x.astype(np.float64)
+    nonzero = x != 0
+    exact = _gelu64(x64) / np.where(nonzero, x64, 1) + x64 * np.exp(
+        -0.5 * x64 * x64) / math.sqrt(2 * math.pi)
+    exact[~nonzero] = 0.5
+    got = gelu_exact_grad_from_output(np.ones_like(x), x, gelu_exact(np, x))
+    err = np.abs(got.astype(np.float64) - exact)
+    assert got.dtype == np.float32 and 0.9 * GELU_GRAD_FROM_OUTPUT_ABS < err.max() \
+        <= GELU_GRAD_FROM_OUTPUT_ABS
+    # at most one float32 step from the gradient computed from x alone
+    assert np.abs(got - gelu_exact_grad(np, x)).max() <= 2.0 ** -23
+
+
+def test_gelu_gradient_read_off_the_output_near_zero_and_at_the_edges():
+    tiny = np.float32(2.0 ** -76)  # x^2 / 2 underflows: Phi(x) is 0.5
+    x = np.array([0.0, -0.0, 1e-45, -1e-45, 1e-40, tiny, -tiny, 2.0 ** -74, 1e-30, -1e-20,
+                  1e-8, 3e38, -3e38, 6.0, -6.0, 40.0, -40.0], np.float32)
+    got = gelu_exact_grad_from_output(np.ones_like(x), x, gelu_exact(np, x))
+    np.testing.assert_array_equal(got[:7], 0.5)
+    # the quotient of a normal gelu(x) by x: as close as the path from x alone
+    np.testing.assert_allclose(got, gelu_exact_grad(np, x), rtol=0, atol=2.0 ** -23)
+    odd = np.array([np.inf, -np.inf, np.nan], np.float32)
+    with np.errstate(invalid="ignore"):
+        from_output = gelu_exact_grad_from_output(np.ones_like(odd), odd, gelu_exact(np, odd))
+        np.testing.assert_array_equal(from_output, gelu_exact_grad(np, odd))
+
+
+def test_gelu_gradient_read_off_the_output_is_dy_times_the_derivative_in_every_block():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(3 * _util._ERF32_CHUNK + 17).astype(np.float32) * 3
+    dy = rng.standard_normal(x.size).astype(np.float32)
+    y = gelu_exact(np, x)
+    got = gelu_exact_grad_from_output(dy, x, y)
+    one_block = np.empty_like(x)
+    z, pq = np.empty(x.size, np.float32), np.empty((2, x.size), np.float32)
+    _util._gelu_grad_from_output_block(x, one_block, z, pq, y, np.ones_like(x))
+    np.testing.assert_array_equal(got, dy * one_block)
 
 
 def test_other_arrays_keep_the_general_path():
