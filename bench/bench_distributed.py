@@ -1,6 +1,7 @@
-"""Data-parallel scaling of ``graphopt run --distributed`` (issue 8): steps per second on 1, 2
-and 4 ranks here, the measured all-reduce cost, and a communication model projecting to 8, 64
-and 512 GPUs. Writes its section of bench/RESULTS.md and prints a paragraph for the README.
+"""Data-parallel scaling of ``graphopt run --distributed`` (issue 8): steps per second on 1, 2,
+4 and 8 ranks here (as many as there are cores), the measured all-reduce cost, and a
+communication model projecting to 8, 64 and 512 GPUs. Writes its section of bench/RESULTS.md
+and prints a paragraph for the README.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_distributed.py \\
         [--steps 30] [--repeats 9] [--ranks 1 2]
