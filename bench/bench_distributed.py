@@ -154,12 +154,12 @@ def prepare(folder: str, name: str) -> tuple[str, str]:
     return paths
 
 
-def job(launcher, ranks, model, data, batch, steps, no_overlap=False) -> dict:
+def job(launcher, ranks, model, data, batch, steps, warmup, no_overlap=False) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         target = f.name
     command = [launcher, "-n", str(ranks), sys.executable, __file__, "--worker", "--model",
                model, "--data", data, "--batch", str(batch), "--steps", str(steps),
-               "--json", target] + (["--no-overlap"] if no_overlap else [])
+               "--warmup", str(warmup), "--json", target] + (["--no-overlap"] if no_overlap else [])
     env = {**bench_env(), **ONE_THREAD}
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     if done.returncode:
@@ -206,7 +206,8 @@ def main(argv=None) -> int:
             for _ in range(args.repeats):   # interleaved: load from elsewhere hits all alike
                 for ranks, no_overlap in variants:
                     runs[(ranks, no_overlap)].append(
-                        job(launcher, ranks, model, data, batch, args.steps, no_overlap))
+                        job(launcher, ranks, model, data, batch, args.steps, args.warmup,
+                            no_overlap))
             median = {v: sorted(rs, key=lambda r: r["samples_per_s"])[len(rs) // 2]
                       for v, rs in runs.items()}
             best = {v: max(r["samples_per_s"] for r in rs) for v, rs in runs.items()}
@@ -269,14 +270,14 @@ def main(argv=None) -> int:
     body = "\n".join([
         "Weak scaling on CPU: `mpiexec -n N` (mpich wheel) jobs training the MQA model with "
         f"`--distributed`, AdamW, float32, a fixed batch per rank, BLAS limited to one "
-        f"thread per rank (one core each); {args.steps} timed steps "
-        f"after 3 warm-up steps, timed on rank 0; {args.repeats} jobs per point, each a "
+        f"thread per rank (one core each); {args.steps} timed steps after {args.warmup} "
+        f"warm-up steps, timed on rank 0; {args.repeats} jobs per point, each a "
         "process group of its own, run interleaved, the median job reported (and the best "
         "job's samples/s); speed-up = samples/s over one rank's, from the medians. "
         "*all-reduce ms*: one all-reduce of a buffer "
         "holding every gradient (median of 15). *exposed comm*: time rank 0 waited in "
         "collectives per step (bucket all-reduces not hidden by the backward pass + the "
-        "loss/overflow all-reduce) -- on 2 cores that also absorbs the other rank being "
+        f"loss/overflow all-reduce) -- on {cores} cores that also absorbs the other rank being "
         "slower."
         + (" Rows marked oversubscribed have more ranks than cores: they measure sharing, "
            "not scaling." if any(r > cores for r in args.ranks) else ""),
