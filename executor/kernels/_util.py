@@ -8,6 +8,7 @@ import math
 import numpy as np
 import onnx
 
+from ._compiled import compiled_kernels
 from ._threads import run_blocks
 
 _SQRT_HALF = math.sqrt(0.5)
@@ -315,11 +316,33 @@ def scipy_special(xp):
     return special
 
 
+def _compiled_blockwise(kernel, x, *also, extra=()):
+    """``kernel(x_part, *also_parts, out_part, *extra)`` over flat blocks of _ERF32_CHUNK
+    elements of the float32 ``x`` and the arrays ``also`` (x's shape), shared out over threads
+    as _blockwise's (the compiled kernels release the GIL); the result in x's shape."""
+    flat = np.ascontiguousarray(x).reshape(-1)
+    flat_also = [np.ascontiguousarray(a).reshape(-1) for a in also]
+    out = np.empty(flat.shape, x.dtype)
+    run_blocks(lambda start, stop: kernel(
+        flat[start:stop], *(a[start:stop] for a in flat_also), out[start:stop], *extra),
+        flat.size, _ERF32_CHUNK)
+    return out.reshape(x.shape)
+
+
+# the GELU rational's coefficients as the compiled kernel takes them (P's, Q's, the clamp)
+_GELU_COEFFICIENTS = (np.array([c[0, 0] for c in _GELU_PQ], np.float32),
+                      np.array([c[1, 0] for c in _GELU_PQ], np.float32), _GELU_Z_MAX[0])
+
+
 def gelu_exact(xp, x):
-    # NumPy float32: Phi from the float32 erf fit, in blocks, a few passes; within 2.8e-7 * |x|
-    # (tests/executor/test_erf_float32.py), |gelu(x)| <= |x| and of x's sign
+    # NumPy float32: Phi from the float32 erf fit, in blocks, a few passes (or one, compiled);
+    # within 2.8e-7 * |x| (tests/executor/test_erf_float32.py), |gelu(x)| <= |x| and of x's sign
     if xp is np and np.asarray(x).dtype == np.float32:
-        return _blockwise(_gelu_block, np.asarray(x))
+        x = np.asarray(x)
+        compiled = compiled_kernels(xp, x.dtype, x.size)
+        if compiled is not None:
+            return _compiled_blockwise(compiled.gelu_flat, x, extra=_GELU_COEFFICIENTS)
+        return _blockwise(_gelu_block, x)
     return 0.5 * x * (1.0 + erf(xp, x * _SQRT_HALF))
 
 
@@ -338,6 +361,10 @@ def gelu_exact_grad_from_output(dy, x, y):
     the erf's passes are repeated (issue 15: the training step's GeluGrad took 1.6 ms, most of
     it the erf); ``dy``: float32 of x's shape. gelu'(x) is within 3e-7 absolute of the exact
     derivative (tests/executor/test_erf_float32.py)."""
+    compiled = compiled_kernels(np, x.dtype, x.size)
+    if compiled is not None:
+        return _compiled_blockwise(compiled.gelu_grad_from_output_flat, x, y, dy,
+                                   extra=(np.float32(_LOG_INV_SQRT_2PI),))
     return _blockwise(_gelu_grad_from_output_block, x, y, dy)
 
 

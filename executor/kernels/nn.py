@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from ..registry import kernel
+from ._compiled import compiled_kernels
 from ._threads import run_rows
 from ._util import (
     compute_dtype,
@@ -72,9 +73,13 @@ def _softmax_rows(xp, x, rows, out):
         result = out
     o2 = out.reshape(x2.shape) if out.ndim == 2 else out.transpose(order).reshape(x2.shape)
     count, width = x2.shape
+    compiled = compiled_kernels(xp, x.dtype, x2.size)
 
     def rows_of(lo, hi):
         src, dst = x2[lo:hi], o2[lo:hi]
+        if compiled is not None:  # one pass a row, its exp vectorised
+            compiled.softmax_rows(src, dst)
+            return
         xp.subtract(src, row_max(xp, src)[:, None], out=dst)
         xp.exp(dst, out=dst)
         total = row_sums(xp, dst)
@@ -140,6 +145,9 @@ for _op, _fn in (("LogSoftmax", log_softmax_over), ("Hardmax", _hardmax_over)):
     kernel(_op, since=13)(lambda ctx, node, x, _fn=_fn: _fn(ctx.xp, x, single_axis(node, x)))
 
 
+_NO_BIAS = np.empty(0, np.float32)
+
+
 def _layer_norm_rows(xp, x, axis, epsilon, stash_dtype, scale, bias=None):
     """float32/float64 (every backend): (y, mean, inv_std) from the row statistics of the
     (rows, D) view summed by einsum, mean and inv_std in the keepdims shape; y is x centered,
@@ -154,9 +162,18 @@ def _layer_norm_rows(xp, x, axis, epsilon, stash_dtype, scale, bias=None):
     y = result.reshape(rows, width)
     mean = xp.empty(rows, stash_dtype)
     inv_std = xp.empty(rows, stash_dtype)
+    compiled = compiled_kernels(xp, stash_dtype, data.size)
+    if compiled is not None:
+        scale = np.ascontiguousarray(scale, stash_dtype)
+        bias = _NO_BIAS if bias is None else np.ascontiguousarray(bias, stash_dtype)
+        epsilon = stash_dtype.type(epsilon)
 
     def rows_of(lo, hi):
         block_mean, block_inv = mean[lo:hi], inv_std[lo:hi]
+        if compiled is not None:  # one pass a row for the statistics, one for y
+            compiled.layer_norm_rows(data[lo:hi], scale, bias, epsilon, y[lo:hi],
+                                     block_mean, block_inv)
+            return
         xp.divide(row_sums(xp, data[lo:hi]), width, out=block_mean)
         centered = xp.subtract(data[lo:hi], block_mean[:, None], out=y[lo:hi])
         var = row_dots(xp, centered, centered)

@@ -10,6 +10,7 @@ from graphopt.vocabulary import YIELD_OP
 
 from ..errors import FeedError
 from ..registry import MS_DOMAIN, kernel
+from ._compiled import compiled_kernels
 from ._scatter import check_bounds, scatter_rows
 from ._threads import run_rows
 from ._util import (
@@ -68,8 +69,12 @@ def _softmax_grad(ctx, dy, y, axes):
             # with a base) is not donated to the next in-place kernel
             out = xp.empty(y.shape, ct)
         dx = out.reshape(y2.shape)
+        compiled = compiled_kernels(xp, ct, y2.size)
 
         def rows_of(lo, hi):  # a block's rows of dy are read before they are written
+            if compiled is not None:
+                compiled.softmax_grad_rows(dy2[lo:hi], y2[lo:hi], dx[lo:hi])
+                return
             total = row_dots(xp, y2[lo:hi], dy2[lo:hi])
             block = xp.subtract(dy2[lo:hi], total[:, None], out=dx[lo:hi])
             block *= y2[lo:hi]
@@ -320,6 +325,14 @@ def _layer_norm_grad_rows(xp, dy, x, scale, mean, inv_std, ct):
 
     # the row parts in blocks, on several threads when large; the parameter gradients'
     # column sums run over all rows in one call (their bits do not depend on any cut)
+    compiled = compiled_kernels(xp, ct, x2.size)
+    if compiled is not None:  # xhat and dx in one pass a row
+        scale1 = np.ascontiguousarray(scale1)
+        mean_flat, inv_flat = (np.ascontiguousarray(a).reshape(rows) for a in (mean1, inv1))
+        run_rows(xp, lambda lo, hi: compiled.layer_norm_grad_rows(
+            dy2[lo:hi], x2[lo:hi], scale1, mean_flat[lo:hi], inv_flat[lo:hi], xhat[lo:hi],
+            dx[lo:hi]), rows, width)
+        return result, column_dots(xp, dy2, xhat), column_sums(xp, dy2)
     run_rows(xp, normalized, rows, width)
     scale_grad = column_dots(xp, dy2, xhat)
     bias_grad = column_sums(xp, dy2)

@@ -36,6 +36,11 @@ GELU_GRAD_ABS = 2.8e-7     # |gelu'32(x) - gelu'(x)|, gelu' in [-0.17, 1.13] (2.
 # the same, with Phi(x) read off the forward's float32 gelu(x) / x (3.29e-7): the quotient adds
 # two roundings
 GELU_GRAD_FROM_OUTPUT_ABS = 3.3e-7
+# the compiled kernels (executor/kernels/_jit_kernels.py) evaluate the same rational with fused
+# multiply-adds in one pass: GELU within 2.00e-7 * |x|, its gradient read off the output
+# within 2.58e-7
+COMPILED_GELU_REL = 2.1e-7
+COMPILED_GELU_GRAD_FROM_OUTPUT_ABS = 2.6e-7
 TINY = 2.0 ** -126
 
 _exact = np.frompyfunc(math.erf, 1, 1)
@@ -147,7 +152,8 @@ def _gelu64(x):
     return 0.5 * x * (1.0 + _erf64(x * math.sqrt(0.5)))
 
 
-def test_gelu_and_its_gradient_float32_are_within_their_measured_error():
+def test_gelu_and_its_gradient_float32_are_within_their_measured_error(kernel_path):
+    gelu_rel = COMPILED_GELU_REL if kernel_path == "compiled" else GELU_REL
     x = np.concatenate([np.linspace(-12, 12, 1_000_001, dtype=np.float32),
                         (10.0 ** np.random.default_rng(0).uniform(-37, 1, 100_000)).astype(
                             np.float32)])  # gelu(x) stays a normal float
@@ -156,7 +162,7 @@ def test_gelu_and_its_gradient_float32_are_within_their_measured_error():
     got = gelu_exact(np, x)
     nonzero = x != 0
     rel = np.abs(got.astype(np.float64) - _gelu64(x64))[nonzero] / np.abs(x64[nonzero])
-    assert got.dtype == np.float32 and 0.9 * GELU_REL < rel.max() <= GELU_REL
+    assert got.dtype == np.float32 and 0.9 * gelu_rel < rel.max() <= gelu_rel
     grad = _gelu64(x64) / np.where(nonzero, x64, 1) + x64 * np.exp(-0.5 * x64 * x64) / math.sqrt(
         2 * math.pi)
     grad[~nonzero] = 0.5
@@ -173,7 +179,9 @@ def _gelu_sweep():
     return np.concatenate([x, -x])
 
 
-def test_gelu_gradient_read_off_the_forward_output_is_within_its_measured_error():
+def test_gelu_gradient_read_off_the_forward_output_is_within_its_measured_error(kernel_path):
+    compiled = kernel_path == "compiled"
+    bound = COMPILED_GELU_GRAD_FROM_OUTPUT_ABS if compiled else GELU_GRAD_FROM_OUTPUT_ABS
     x = _gelu_sweep()
     x64 = x.astype(np.float64)
     nonzero = x != 0
@@ -182,27 +190,30 @@ def test_gelu_gradient_read_off_the_forward_output_is_within_its_measured_error(
     exact[~nonzero] = 0.5
     got = gelu_exact_grad_from_output(np.ones_like(x), x, gelu_exact(np, x))
     err = np.abs(got.astype(np.float64) - exact)
-    assert got.dtype == np.float32 and 0.9 * GELU_GRAD_FROM_OUTPUT_ABS < err.max() \
-        <= GELU_GRAD_FROM_OUTPUT_ABS
-    # at most one float32 step from the gradient computed from x alone
-    assert np.abs(got - gelu_exact_grad(np, x)).max() <= 2.0 ** -23
+    assert got.dtype == np.float32 and 0.9 * bound < err.max() <= bound
+    # at most one float32 step from the gradient computed from x alone by the same passes (the
+    # compiled path: three, as it rounds differently)
+    assert np.abs(got - gelu_exact_grad(np, x)).max() <= (3 if compiled else 1) * 2.0 ** -23
 
 
-def test_gelu_gradient_read_off_the_output_near_zero_and_at_the_edges():
+def test_gelu_gradient_read_off_the_output_near_zero_and_at_the_edges(kernel_path):
     tiny = np.float32(2.0 ** -76)  # x^2 / 2 underflows: Phi(x) is 0.5
     x = np.array([0.0, -0.0, 1e-45, -1e-45, 1e-40, tiny, -tiny, 2.0 ** -74, 1e-30, -1e-20,
                   1e-8, 3e38, -3e38, 6.0, -6.0, 40.0, -40.0], np.float32)
     got = gelu_exact_grad_from_output(np.ones_like(x), x, gelu_exact(np, x))
     np.testing.assert_array_equal(got[:7], 0.5)
     # the quotient of a normal gelu(x) by x: as close as the path from x alone
-    np.testing.assert_allclose(got, gelu_exact_grad(np, x), rtol=0, atol=2.0 ** -23)
+    np.testing.assert_allclose(got, gelu_exact_grad(np, x), rtol=0,
+                               atol=(3 if kernel_path == "compiled" else 1) * 2.0 ** -23)
     odd = np.array([np.inf, -np.inf, np.nan], np.float32)
     with np.errstate(invalid="ignore"):
         from_output = gelu_exact_grad_from_output(np.ones_like(odd), odd, gelu_exact(np, odd))
         np.testing.assert_array_equal(from_output, gelu_exact_grad(np, odd))
 
 
-def test_gelu_gradient_read_off_the_output_is_dy_times_the_derivative_in_every_block():
+def test_gelu_gradient_read_off_the_output_is_dy_times_the_derivative_in_every_block(
+        monkeypatch):
+    monkeypatch.setenv("GRAPHOPT_COMPILED_KERNELS", "0")  # the NumPy passes' blocks
     rng = np.random.default_rng(5)
     x = rng.standard_normal(3 * _util._ERF32_CHUNK + 17).astype(np.float32) * 3
     dy = rng.standard_normal(x.size).astype(np.float32)

@@ -9,7 +9,7 @@ import pytest
 
 from graphopt.executor.backend import select_backend
 from graphopt.executor.context import KernelContext
-from graphopt.executor.kernels import loss, nn, reduce, training_ops
+from graphopt.executor.kernels import _compiled, loss, nn, reduce, training_ops
 from graphopt.executor.kernels._util import column_dots, max_over, row_dots, row_max
 from graphopt.executor.plan import PlannedNode
 
@@ -63,7 +63,7 @@ LN_CASES = [((4, 6, 16), -1, (16,)), ((3, 5, 4, 8), -2, (4, 8)), ((3, 5, 8), -2,
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
 @pytest.mark.parametrize("shape,axis,param_shape", LN_CASES)
-def test_layer_normalization_and_its_gradient(dtype, shape, axis, param_shape):
+def test_layer_normalization_and_its_gradient(dtype, shape, axis, param_shape, kernel_path):
     x = (RNG.standard_normal(shape) * 3 + 5).astype(dtype)  # an offset: centred before squared
     scale = RNG.standard_normal(param_shape).astype(dtype)
     bias = RNG.standard_normal(param_shape).astype(dtype)
@@ -142,9 +142,11 @@ def test_row_and_column_dots_are_sums_of_products(width):
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # -inf - -inf, on threads
 @pytest.mark.parametrize("shape", [(32, 4, 32, 32), (2, 3, 40, 48), (1, 8, 256, 256),
                                    (4, 64, 7)])
-def test_softmax_rows_have_the_bits_of_a_plain_max(shape):
+def test_softmax_rows_have_the_bits_of_a_plain_max(shape, monkeypatch):
     """Narrow rows take row_max's transposed path: the maximum is the same, so every bit of
-    the result is what the max-subtract-exp-sum-scale passes give with NumPy's max."""
+    the result is what the max-subtract-exp-sum-scale passes give with NumPy's max (the
+    NumPy passes: tests/executor/test_compiled_kernels.py checks the compiled ones)."""
+    monkeypatch.setenv(_compiled.ENV_SWITCH, "0")
     x = _with_specials(RNG.standard_normal(shape).astype(np.float32) * 4)
     with np.errstate(invalid="ignore"):
         rows = x.reshape(-1, shape[-1])
@@ -158,7 +160,7 @@ def test_softmax_rows_have_the_bits_of_a_plain_max(shape):
 
 @pytest.mark.parametrize("op,axis", [("SoftmaxGrad_13", -1), ("SoftmaxGrad_13", 1),
                                      ("SoftmaxGrad", 1), ("SoftmaxGrad", 2)])
-def test_softmax_grad_on_trailing_and_inner_axes(op, axis):
+def test_softmax_grad_on_trailing_and_inner_axes(op, axis, kernel_path):
     shape = (3, 4, 5, 6)
     y64 = _softmax(RNG.standard_normal(shape), axis if op == "SoftmaxGrad_13"
                    else tuple(range(axis, 4)))
@@ -172,7 +174,7 @@ def test_softmax_grad_on_trailing_and_inner_axes(op, axis):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
 
-def test_softmax_grad_writes_into_a_donated_gradient():
+def test_softmax_grad_writes_into_a_donated_gradient(kernel_path):
     y = _softmax(RNG.standard_normal((4, 8, 8)), -1).astype(np.float32)
     dy = RNG.standard_normal((4, 8, 8)).astype(np.float32)
     want = training_ops.softmax_grad_13(_ctx(), _node("SoftmaxGrad_13", axis=-1), dy, y)
@@ -256,7 +258,7 @@ def test_reduce_sum_over_leading_trailing_and_other_axes(axes, keepdims, dtype):
                                rtol=1e-2 if dtype == np.float16 else 1e-5, atol=1e-2)
 
 
-def test_row_paths_return_arrays_the_next_kernel_may_overwrite():
+def test_row_paths_return_arrays_the_next_kernel_may_overwrite(kernel_path):
     # a reshaped (rows, D) array is a view (it has a base): Session.run would not donate it
     # to the next in-place kernel, which then writes into another input's layout
     x = RNG.standard_normal((4, 6, 16)).astype(np.float32)

@@ -6,7 +6,7 @@ import pytest
 
 from graphopt.executor.backend import select_backend
 from graphopt.executor.context import KernelContext
-from graphopt.executor.kernels import _threads
+from graphopt.executor.kernels import _compiled, _threads
 from graphopt.executor.kernels._util import (
     _erf32_block,
     _gelu_block,
@@ -37,7 +37,7 @@ def _softmax64(x, axis):
     return e / e.sum(axis=axis, keepdims=True)
 
 
-def test_softmax_blocks_equal_each_row_alone():
+def test_softmax_blocks_equal_each_row_alone(kernel_path):
     x = _x().reshape(4, 16, COLS)[:, ::-1]  # a strided view
     whole = softmax_over(np, x, (2,))
     np.testing.assert_allclose(whole, _softmax64(x, 2), rtol=2e-6, atol=1e-12)
@@ -49,7 +49,7 @@ def test_softmax_blocks_equal_each_row_alone():
     np.testing.assert_array_equal(donated, whole)
 
 
-def test_softmax_keeps_a_transposed_layout():
+def test_softmax_keeps_a_transposed_layout(kernel_path):
     # attention scores laid out (batch, query, head, key) and read as (batch, head, query, key)
     scores = _x((2, 64, 8, 512)).transpose(0, 2, 1, 3)
     probs = softmax_over(np, scores, (3,))
@@ -60,7 +60,8 @@ def test_softmax_keeps_a_transposed_layout():
 
 @pytest.mark.parametrize(("block", "fn"), [(_erf32_block, erf), (_gelu_block, gelu_exact),
                                           (_gelu_grad_block, gelu_exact_grad)])
-def test_erf_and_gelu_blocks_equal_one_pass(block, fn):
+def test_erf_and_gelu_blocks_equal_one_pass(block, fn, monkeypatch):
+    monkeypatch.setenv(_compiled.ENV_SWITCH, "0")  # the NumPy passes' blocks
     x = _x()
     whole = np.empty(x.size, np.float32)
     block(x.reshape(-1), whole, np.empty(x.size, np.float32), np.empty((2, x.size), np.float32))
@@ -180,7 +181,7 @@ def _unsplit(monkeypatch):
     monkeypatch.setattr(_threads, "ROW_BLOCK", 1 << 40)
 
 
-def test_softmax_grad_blocks_equal_one_pass(monkeypatch):
+def test_softmax_grad_blocks_equal_one_pass(monkeypatch, kernel_path):
     ctx = KernelContext(select_backend("cpu"), None, False, 0)
     y = softmax_over(np, _x().reshape(8, 8, COLS), (2,))
     dy = _x(y.shape, seed=1)
@@ -191,7 +192,7 @@ def test_softmax_grad_blocks_equal_one_pass(monkeypatch):
     np.testing.assert_array_equal(split, _softmax_grad(ctx, dy, y, (2,)))
 
 
-def test_layer_norm_and_its_gradient_blocks_equal_one_pass(monkeypatch):
+def test_layer_norm_and_its_gradient_blocks_equal_one_pass(monkeypatch, kernel_path):
     x, dy = _x((ROWS * 32, 256)), _x((ROWS * 32, 256), seed=1)
     scale, bias = _x((256,), seed=2), _x((256,), seed=3)
     y, mean, inv_std = _layer_norm_rows(np, x, 1, 1e-5, np.dtype(np.float32), scale, bias)

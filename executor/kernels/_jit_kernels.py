@@ -1,0 +1,186 @@
+"""numba kernels behind ``_compiled``: float32, one pass per row, the GIL released.
+
+Every function computes what the NumPy passes it replaces compute, in the same order where
+that order matters to the rounding (two-pass variance, P / Q before the product with x), so
+the two paths agree within float32 rounding; tests/executor/test_compiled_kernels.py checks
+each one against its NumPy path and against float64.
+
+Fast-math flags: ``contract`` (fused multiply-add), ``nsz``, ``arcp`` and ``afn``; never
+``nnan``/``ninf``, so NaN and infinities propagate as in NumPy. The row sums add ``reassoc``
+so that they vectorise; ``_exp_nonpositive`` must not have it (its round-to-nearest trick,
+``(y + 1.5 * 2**23) - 1.5 * 2**23``, would be folded away), and LLVM keeps each inlined
+instruction's own flags. Compiled on first use and cached beside this file (numba's
+``cache=True``), so later processes only load them.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+_ROUNDING = {"contract", "nsz", "arcp", "afn"}  # numba takes a set (not a frozenset)
+_SUMMING = _ROUNDING | {"reassoc"}
+_OPTIONS = dict(nogil=True, cache=True, error_model="numpy")
+
+_F = np.float32
+_LOG2E = _F(1.4426950408889634)
+_ROUNDER = _F(12582912.0)  # 1.5 * 2**23: y + it, minus it, is y rounded to an integer
+_LN2_HI = _F(0.693359375)  # ln 2 = _LN2_HI - _LN2_LO, the high part exact in few bits
+_LN2_LO = _F(2.12194440e-4)
+# below this exp(x) is subnormal in float32 (NumPy's float32 exp returns the subnormal, this
+# one 0: at most 1.2e-38 apart)
+_EXP_FLOOR = _F(-87.33654)
+_ONE = _F(1.0)
+_HALF = _F(0.5)
+_ZERO = _F(0.0)
+
+
+def numba_version() -> str:
+    return numba.__version__
+
+
+@numba.njit(fastmath=_ROUNDING, **_OPTIONS)
+def _exp_nonpositive(x):
+    """float32 exp(x) for x <= 0 (Cephes' expf: 2**n * P(r), r = x - n ln 2, |r| <= ln 2 / 2),
+    within 1 ulp for normal results; 0 below _EXP_FLOOR, NaN for NaN. Vectorises (no calls,
+    no branches but selects), unlike NumPy's float32 exp on AVX2."""
+    clamped = _EXP_FLOOR if x < _EXP_FLOOR else x  # NaN stays NaN
+    shifted = clamped * _LOG2E + _ROUNDER
+    n = shifted - _ROUNDER
+    r = clamped - n * _LN2_HI + n * _LN2_LO
+    p = _F(1.9875691500e-4)
+    p = p * r + _F(1.3981999507e-3)
+    p = p * r + _F(8.3334519073e-3)
+    p = p * r + _F(4.1665795894e-2)
+    p = p * r + _F(1.6666665459e-1)
+    p = p * r + _F(5.0000001201e-1)
+    p = p * (r * r) + r + _ONE
+    # 2**n from n's bits: shifted's low mantissa bits hold n + 1.5 * 2**23's integer part
+    exponent = np.int32(_F(shifted).view(np.int32) - np.int32(0x4B400000 - 127))
+    power = np.int32(exponent << np.int32(23)).view(np.float32)
+    return _ZERO if x < _EXP_FLOOR else p * power
+
+
+# _ROW_SCRATCH: a kernel whose output may be its input (a donated buffer) computes a row into
+# a scratch row first and copies it: LLVM vectorises a loop only after checking at run time
+# that its output does not overlap its inputs, and runs the scalar loop when it does, even
+# where each element is read before it is written (the MQA block's in-place softmax: 63 ms
+# scalar, 9 ms vectorised)
+
+
+@numba.njit(fastmath=_SUMMING, **_OPTIONS)
+def softmax_rows(x, out):
+    """Softmax of each row of the C-contiguous (rows, width) float32 ``x`` into ``out`` (may be
+    x). A row holding NaN or +inf, or only -inf, comes out NaN, as NumPy's does."""
+    rows, width = x.shape
+    exps = np.empty(width, np.float32)  # see _ROW_SCRATCH
+    for i in range(rows):
+        peak = x[i, 0]
+        for j in range(1, width):
+            value = x[i, j]
+            peak = value if value > peak else peak  # a NaN peak stays NaN
+        total = _ZERO
+        for j in range(width):
+            e = _exp_nonpositive(x[i, j] - peak)
+            exps[j] = e
+            total += e
+        inverse = _ONE / total
+        for j in range(width):
+            out[i, j] = exps[j] * inverse
+
+
+@numba.njit(fastmath=_SUMMING, **_OPTIONS)
+def softmax_grad_rows(dy, y, dx):
+    """y * (dy - sum(y * dy)) row by row into ``dx`` (may be dy: each element of a row is read
+    before it is written)."""
+    rows, width = y.shape
+    row = np.empty(width, np.float32)  # see _ROW_SCRATCH
+    for i in range(rows):
+        total = _ZERO
+        for j in range(width):
+            total += y[i, j] * dy[i, j]
+        for j in range(width):
+            row[j] = (dy[i, j] - total) * y[i, j]
+        for j in range(width):
+            dx[i, j] = row[j]
+
+
+@numba.njit(fastmath=_SUMMING, **_OPTIONS)
+def layer_norm_rows(x, scale, bias, epsilon, y, mean, inv_std):
+    """y = (x - mean) * inv_std * scale + bias row by row (bias of length 0: none), with the
+    row ``mean`` and ``inv_std`` = 1 / sqrt(var + epsilon), the variance from the centered
+    row (two passes, as the NumPy path)."""
+    rows, width = x.shape
+    has_bias = bias.size > 0
+    for i in range(rows):
+        total = _ZERO
+        for j in range(width):
+            total += x[i, j]
+        row_mean = total / _F(width)
+        squares = _ZERO
+        for j in range(width):
+            centered = x[i, j] - row_mean
+            squares += centered * centered
+        inverse = _ONE / np.sqrt(squares / _F(width) + epsilon)
+        mean[i] = row_mean
+        inv_std[i] = inverse
+        if has_bias:
+            for j in range(width):
+                y[i, j] = (x[i, j] - row_mean) * inverse * scale[j] + bias[j]
+        else:
+            for j in range(width):
+                y[i, j] = (x[i, j] - row_mean) * inverse * scale[j]
+
+
+@numba.njit(fastmath=_SUMMING, **_OPTIONS)
+def layer_norm_grad_rows(dy, x, scale, mean, inv_std, xhat, dx):
+    """LayerNorm's input gradient row by row: xhat = (x - mean) * inv_std (kept for the
+    parameter gradients) and dx = inv_std * (dxhat - mean(dxhat) - xhat * mean(dxhat *
+    xhat)), dxhat = dy * scale."""
+    rows, width = x.shape
+    for i in range(rows):
+        row_mean = mean[i]
+        inverse = inv_std[i]
+        dxhat_total = _ZERO
+        product_total = _ZERO
+        for j in range(width):
+            normalized = (x[i, j] - row_mean) * inverse
+            xhat[i, j] = normalized
+            dxhat = dy[i, j] * scale[j]
+            dxhat_total += dxhat
+            product_total += dxhat * normalized
+        dxhat_mean = dxhat_total / _F(width)
+        product_mean = product_total / _F(width)
+        for j in range(width):
+            dx[i, j] = (dy[i, j] * scale[j] - dxhat_mean - xhat[i, j] * product_mean) * inverse
+
+
+@numba.njit(fastmath=_ROUNDING, **_OPTIONS)
+def gelu_flat(x, out, p, q, z_max):
+    """x * Phi(x) over a flat float32 block, Phi(x) = 0.5 + x * P(z) / Q(z), z = min(x^2,
+    z_max), clipped to [0, 1]: the NumPy path's rational (``_util._GELU_PQ``: ``p``, ``q``
+    lowest degree first, six each) in the same order."""
+    p0, p1, p2, p3, p4, p5 = p[0], p[1], p[2], p[3], p[4], p[5]
+    q0, q1, q2, q3, q4, q5 = q[0], q[1], q[2], q[3], q[4], q[5]
+    for j in range(x.size):
+        v = x[j]
+        z = v * v
+        z = z_max if z > z_max else z
+        numerator = ((((p5 * z + p4) * z + p3) * z + p2) * z + p1) * z + p0
+        denominator = ((((q5 * z + q4) * z + q3) * z + q2) * z + q1) * z + q0
+        cdf = numerator / denominator * v + _HALF
+        cdf = _ZERO if cdf < _ZERO else cdf
+        cdf = _ONE if cdf > _ONE else cdf
+        out[j] = cdf * v
+
+
+@numba.njit(fastmath=_ROUNDING, **_OPTIONS)
+def gelu_grad_from_output_flat(x, y, dy, out, log_inv_sqrt_2pi):
+    """dy * (Phi(x) + x * phi(x)) over flat float32 blocks with Phi(x) = gelu(x) / x read off
+    the forward's ``y`` (0.5 where x^2 / 2 underflows to 0) and phi(x) = exp(-x^2 / 2 -
+    log(sqrt(2 pi))): ``_util._gelu_grad_from_output_block`` in one pass."""
+    for j in range(x.size):
+        v = x[j]
+        z = v * _F(-0.5) * v
+        cdf = _HALF if z == _ZERO else y[j] / v
+        out[j] = (cdf + _exp_nonpositive(z + log_inv_sqrt_2pi) * v) * dy[j]

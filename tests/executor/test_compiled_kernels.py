@@ -1,0 +1,223 @@
+"""The compiled float32 kernels (issue 15): each against float64 and against the NumPy passes
+it replaces, in place and out of place, at the edges (NaN, infinities, masked -inf scores,
+underflow), in every thread block; and the gate that decides when they run."""
+
+import math
+import sys
+
+import numpy as np
+import pytest
+
+from graphopt.executor.kernels import _compiled, _util, nn, training_ops
+from graphopt.executor.kernels._threads import ROW_BLOCK
+
+numba = pytest.importorskip("numba")
+jit = _compiled.compiled_kernels(np, np.dtype(np.float32), _compiled.MIN_ELEMENTS)
+RNG = np.random.default_rng(23)
+FLOAT32_MIN_NORMAL = np.finfo(np.float32).tiny
+
+
+@pytest.fixture(autouse=True)
+def _compiled_kernels_on(monkeypatch):
+    monkeypatch.setenv(_compiled.ENV_SWITCH, "1")
+
+
+def _softmax64(x):
+    x = x.astype(np.float64)
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _numpy_path(monkeypatch, fn):
+    with monkeypatch.context() as patch:
+        patch.setenv(_compiled.ENV_SWITCH, "0")
+        return fn()
+
+
+def test_the_gate_answers_float32_numpy_arrays_from_its_size_on(monkeypatch):
+    f32 = np.dtype(np.float32)
+    assert _compiled.compiled_kernels(np, f32, _compiled.MIN_ELEMENTS) is jit is not None
+    assert _compiled.compiled_kernels(np, f32, _compiled.MIN_ELEMENTS - 1) is None
+    for dtype in (np.float64, np.float16):
+        assert _compiled.compiled_kernels(np, np.dtype(dtype), 1 << 20) is None
+    assert _compiled.compiled_kernels(object(), f32, 1 << 20) is None  # another array module
+    assert _compiled.describe().startswith("compiled (numba ")
+    monkeypatch.setenv(_compiled.ENV_SWITCH, "0")
+    assert _compiled.compiled_kernels(np, f32, 1 << 20) is None
+    assert _compiled.describe() == f"NumPy passes ({_compiled.ENV_SWITCH}=0)"
+
+
+def test_without_numba_the_numpy_passes_run(monkeypatch):
+    monkeypatch.setattr(_compiled, "_module", None)
+    monkeypatch.setattr(_compiled, "_unavailable", None)
+    monkeypatch.setitem(sys.modules, "numba", None)  # import numba raises ImportError
+    package = sys.modules[_compiled.__name__.rsplit(".", 1)[0]]
+    monkeypatch.delitem(sys.modules, package.__name__ + "._jit_kernels")
+    monkeypatch.delattr(package, "_jit_kernels")
+    assert _compiled.compiled_kernels(np, np.dtype(np.float32), 1 << 20) is None
+    assert _compiled.describe().startswith("NumPy passes: numba could not be imported")
+    x = RNG.standard_normal((64, 128)).astype(np.float32)
+    np.testing.assert_allclose(nn.softmax_over(np, x, (1,)), _softmax64(x), rtol=1e-6,
+                               atol=1e-7)
+
+
+def _exp_of(x):
+    """The compiled exp of each element of x (<= 0) through softmax rows of [x, 0]: the peak
+    is 0, the sum 1 + exp(x) rounds to 1 for x < -17, so the row's first element is exp(x)."""
+    rows = np.stack([x, np.zeros_like(x)], axis=1)
+    out = np.empty_like(rows)
+    jit.softmax_rows(rows, out)
+    return out[:, 0]
+
+
+def test_exp_is_within_one_ulp_of_every_normal_result():
+    # every float32 in [-87.3, -17] in steps of ~2**-10 relative, and the edges
+    x = -np.geomspace(17.0, 87.33, 200_001).astype(np.float32)
+    got = _exp_of(x).astype(np.float64)
+    want = np.exp(x.astype(np.float64))
+    ulps = np.abs(got - want) / np.spacing(want.astype(np.float32)).astype(np.float64)
+    assert ulps.max() <= 1.0
+    # the rounding trick survived compilation: a folded (y + c) - c would give r = x and
+    # errors of whole orders of magnitude, not ulps
+    assert ulps.mean() < 0.3
+
+
+def test_exp_flushes_below_the_normal_range_and_keeps_nan():
+    x = np.array([-87.5, -100.0, -1e30, -np.inf], np.float32)
+    np.testing.assert_array_equal(_exp_of(x), 0.0)
+    assert np.exp(np.float64(-87.33654)) >= FLOAT32_MIN_NORMAL  # the floor is the last normal
+    row = np.array([[np.nan, 1.0]], np.float32)
+    out = np.empty_like(row)
+    jit.softmax_rows(row, out)
+    assert np.isnan(out).all()
+
+
+@pytest.mark.parametrize("shape", [(4096, 7), (2048, 64), (64, 256), (16, 3000)])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_softmax_rows_match_float64_and_the_numpy_passes(monkeypatch, shape, in_place):
+    x = (RNG.standard_normal(shape) * 6).astype(np.float32)
+    x[::5, ::3] = -np.inf  # masked scores
+    want = _softmax64(x)
+    numpy_path = _numpy_path(monkeypatch, lambda: nn.softmax_over(np, x, (1,)))
+    source = x.copy()
+    got = nn.softmax_over(np, source, (1,), source if in_place else None)
+    assert (got is source) == in_place
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-9)
+    np.testing.assert_allclose(got, numpy_path, rtol=2e-6, atol=1e-9)
+    assert (got[::5, ::3] == 0).all()  # a masked score gets exactly 0
+    np.testing.assert_allclose(got.sum(axis=1, dtype=np.float64), 1.0, rtol=2e-6)
+
+
+def test_softmax_of_non_finite_rows_is_nan_as_numpy_gives():
+    x = np.zeros((4, 5000), np.float32)
+    x[0, 7] = np.nan
+    x[1, 9] = np.inf
+    x[2, :] = -np.inf
+    x[3, 0] = np.nan  # in the first column, where the peak starts
+    with np.errstate(invalid="ignore"):
+        want = np.exp(x - x.max(axis=1, keepdims=True))
+        want /= want.sum(axis=1, keepdims=True)
+    got = nn.softmax_over(np, x, (1,))
+    assert np.isnan(want).all() and np.isnan(got).all()
+
+
+def test_softmax_in_a_transposed_layout_and_across_thread_blocks():
+    scores = (RNG.standard_normal((8, 64, 16, 128)) * 4).astype(np.float32)
+    x = scores.transpose(0, 2, 1, 3)  # (b, h, s, t) over (b, s, h, t) memory: attention
+    assert x.size > 2 * ROW_BLOCK
+    want = _softmax64(x)
+    got = nn.softmax_over(np, x, (3,), x)  # in place
+    assert got is x
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-9)
+    # each row the same as on its own
+    row = np.empty((1, 128), np.float32)
+    again = (RNG.standard_normal((8, 64, 16, 128)) * 4).astype(np.float32)
+    whole = nn.softmax_over(np, again, (3,))
+    jit.softmax_rows(again[3, 17, 5][None], row)
+    np.testing.assert_array_equal(whole[3, 17, 5], row[0])
+
+
+@pytest.mark.parametrize("donated", [False, True])
+def test_softmax_grad_rows_match_float64_and_the_numpy_passes(monkeypatch, donated):
+    y = _softmax64(RNG.standard_normal((512, 96)) * 3).astype(np.float32)
+    dy = RNG.standard_normal(y.shape).astype(np.float32)
+    y64, dy64 = y.astype(np.float64), dy.astype(np.float64)
+    want = y64 * (dy64 - (y64 * dy64).sum(axis=1, keepdims=True))
+    ctx = _Ctx(dy if donated else None)
+    numpy_path = _numpy_path(monkeypatch, lambda: training_ops._softmax_grad(
+        _Ctx(None), dy.copy(), y, (1,)))
+    given = dy.copy() if donated else dy
+    ctx = _Ctx(given if donated else None)
+    got = training_ops._softmax_grad(ctx, given, y, (1,))
+    assert (got is given) == donated
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(got, numpy_path, rtol=1e-5, atol=1e-7)
+
+
+class _Ctx:
+    """The kernel context's two members the row kernels use: the array module and the buffer
+    a kernel may write into (the donated dy)."""
+
+    xp = np
+
+    def __init__(self, donated):
+        self.donated = donated
+
+    def out_for(self, shape, dtype, like, **_):
+        return like if like is self.donated else None
+
+
+@pytest.mark.parametrize("width,with_bias", [(64, True), (1024, True), (48, False)])
+def test_layer_norm_and_its_gradient_match_float64_and_the_numpy_passes(monkeypatch, width,
+                                                                           with_bias):
+    x = (RNG.standard_normal((256, width)) * 3 + 5).astype(np.float32)  # centred first
+    scale = RNG.standard_normal(width).astype(np.float32)
+    bias = RNG.standard_normal(width).astype(np.float32) if with_bias else None
+    dy = RNG.standard_normal(x.shape).astype(np.float32)
+    f32 = np.dtype(np.float32)
+
+    def forward():
+        return nn._layer_norm_rows(np, x, 1, 1e-5, f32, scale, bias)
+
+    def backward(mean, inv):
+        return training_ops._layer_norm_grad_rows(np, dy, x, scale, mean, inv, f32)
+
+    y, mean, inv = forward()
+    dx, scale_grad, bias_grad = backward(mean, inv)
+    ny, nmean, ninv = _numpy_path(monkeypatch, forward)
+    ndx, nscale, nbias = _numpy_path(monkeypatch, lambda: backward(nmean, ninv))
+    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+    mean64 = x64.mean(axis=1, keepdims=True)
+    inv64 = 1 / np.sqrt(((x64 - mean64) ** 2).mean(axis=1, keepdims=True) + 1e-5)
+    xhat = (x64 - mean64) * inv64
+    want_y = xhat * scale + (0 if bias is None else bias)
+    dxhat = dy64 * scale
+    want_dx = inv64 * (dxhat - dxhat.mean(axis=1, keepdims=True)
+                       - xhat * (dxhat * xhat).mean(axis=1, keepdims=True))
+    for got, numpy_path, want, tol in (
+            (y, ny, want_y, 2e-5), (mean, nmean, mean64, 1e-6), (inv, ninv, inv64, 2e-5),
+            (dx, ndx, want_dx, 5e-5), (scale_grad, nscale, (dy64 * xhat).sum(axis=0), 5e-5),
+            (bias_grad, nbias, dy64.sum(axis=0), 1e-5)):
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, want.reshape(got.shape), rtol=tol, atol=tol)
+        np.testing.assert_allclose(got, numpy_path, rtol=tol, atol=tol)
+
+
+def test_gelu_and_its_gradient_from_the_output_match_the_numpy_passes(monkeypatch):
+    x = np.concatenate([(RNG.standard_normal(3 * (1 << 18) + 5) * 4).astype(np.float32),
+                        np.array([0.0, -0.0, 1e-40, 2.0 ** -76, 30.0, -30.0, 3e38, -3e38],
+                                 np.float32)])
+    dy = RNG.standard_normal(x.size).astype(np.float32)
+    y = _util.gelu_exact(np, x)
+    grad = _util.gelu_exact_grad_from_output(dy, x, y)
+    ny = _numpy_path(monkeypatch, lambda: _util.gelu_exact(np, x))
+    ngrad = _numpy_path(monkeypatch, lambda: _util.gelu_exact_grad_from_output(dy, x, ny))
+    np.testing.assert_allclose(y, ny, rtol=1e-6, atol=1e-7 * np.abs(x).max(initial=1.0))
+    np.testing.assert_allclose(grad, ngrad, rtol=0, atol=5e-7 * np.abs(dy).max())
+    edge = slice(x.size - 8, None)
+    np.testing.assert_array_equal(grad[edge][:4], 0.5 * dy[edge][:4])  # Phi(0) = 0.5
+    assert math.isfinite(y[-1]) and y[-1] == 0.0 and y[-2] == np.float32(3e38)
+    odd = np.array([np.inf, -np.inf, np.nan] * 2000, np.float32)
+    with np.errstate(invalid="ignore"):
+        numpy_odd = _numpy_path(monkeypatch, lambda: _util.gelu_exact(np, odd))
+        np.testing.assert_array_equal(_util.gelu_exact(np, odd), numpy_odd)
