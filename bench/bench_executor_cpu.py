@@ -123,7 +123,12 @@ def worker(runtime: str, runs: int) -> None:
     run, feeds = _runner(runtime, build_mqa_block()), _inputs()
     if runtime == "check":
         return
-    worker_report(time_calls(lambda: run(feeds), runs, warmup=WARMUP))
+    extra = {}
+    if runtime.startswith("graphopt"):
+        from graphopt.executor import describe_compiled_kernels
+
+        extra["kernels"] = describe_compiled_kernels()
+    worker_report(time_calls(lambda: run(feeds), runs, warmup=WARMUP), **extra)
 
 
 def check() -> None:
@@ -174,7 +179,8 @@ def main(argv=None) -> int:
         f"that ratio: {ref_med / ms['projections'][0]:.2f} (minimums "
         f"{ref_min / ms['projections'][1]:.2f}).",
         f"Machine: {machine()}; numpy {np.__version__}, onnxruntime {ort.__version__}, "
-        f"onnx {onnx.__version__}; BLAS in the workers: {results['graphopt']['blas'][0]}.",
+        f"onnx {onnx.__version__}; BLAS in the workers: {results['graphopt']['blas'][0]}; "
+        f"graphopt's float32 row and activation kernels: {results['graphopt']['kernels'][0]}.",
         f"Command: `{command_line('bench_executor_cpu.py', argv)}`",
     ]
     publish(SECTION, table, write=not args.no_write)

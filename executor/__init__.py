@@ -14,6 +14,7 @@ from .errors import (
     UnsupportedOpsError,
     WrongGpuPlatformError,
 )
+from .kernels._compiled import describe as describe_compiled_kernels
 from .registry import supported_ops_markdown
 from .session import Session
 
@@ -28,5 +29,6 @@ __all__ = [
     "Session",
     "UnsupportedOpsError",
     "WrongGpuPlatformError",
+    "describe_compiled_kernels",
     "supported_ops_markdown",
 ]

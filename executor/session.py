@@ -18,6 +18,7 @@ from .backend import select_backend
 from .context import KernelContext
 from .errors import ExecutorError, FeedError, KernelError, UnsupportedOpsError
 from .host_memory import keep_freed
+from .kernels._compiled import preload as preload_compiled_kernels
 from .memory import MemoryGuard
 from .plan import Plan, PlannedNode, build_plan, decode_attributes, topological_order
 from .registry import lookup, normalize_domain
@@ -151,6 +152,8 @@ class Session:
             n for n in self._initializers if n not in self._input_types
         ]
         self._ordered = topological_order(nodes, self._available)
+        if self.backend.xp is np:  # the compiled kernels' one-off load belongs to set-up
+            preload_compiled_kernels(node.op_type for node in nodes)
         self._plans: dict[tuple[str, ...], Plan] = {}
         self._memory = MemoryGuard(self)
         # plan the graph outputs now: model errors (and plans that cannot fit) surface here

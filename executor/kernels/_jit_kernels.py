@@ -39,6 +39,13 @@ def numba_version() -> str:
     return numba.__version__
 
 
+def warm_up() -> None:
+    """Starts numba's code generator by running one kernel (loading it from the cache, or
+    compiling it the first time)."""
+    rows = np.zeros((1, 8), np.float32)
+    softmax_rows(rows, rows.copy())
+
+
 @numba.njit(fastmath=_ROUNDING, **_OPTIONS)
 def _exp_nonpositive(x):
     """float32 exp(x) for x <= 0 (Cephes' expf: 2**n * P(r), r = x - n ln 2, |r| <= ln 2 / 2),

@@ -221,3 +221,29 @@ def test_gelu_and_its_gradient_from_the_output_match_the_numpy_passes(monkeypatc
     with np.errstate(invalid="ignore"):
         numpy_odd = _numpy_path(monkeypatch, lambda: _util.gelu_exact(np, odd))
         np.testing.assert_array_equal(_util.gelu_exact(np, odd), numpy_odd)
+
+
+def _session_of(op_type):
+    from onnx import TensorProto, helper  # noqa: PLC0415
+
+    from graphopt.executor import Session  # noqa: PLC0415
+
+    graph = helper.make_graph(
+        [helper.make_node(op_type, ["x"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])])
+    return Session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+                   device="cpu")
+
+
+@pytest.mark.parametrize("op_type,loads", [("Softmax", True), ("Relu", False)])
+def test_a_numpy_session_loads_the_kernels_its_graph_may_call_at_set_up(monkeypatch, op_type,
+                                                                         loads):
+    monkeypatch.setattr(_compiled, "_module", None)
+    monkeypatch.setattr(_compiled, "_unavailable", None)
+    _session_of(op_type)
+    assert (_compiled._module is not None) == loads
+    monkeypatch.setattr(_compiled, "_module", None)
+    monkeypatch.setenv(_compiled.ENV_SWITCH, "0")
+    _session_of("Softmax")
+    assert _compiled._module is None
