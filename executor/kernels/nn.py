@@ -33,10 +33,10 @@ def softmax_over(xp, x, axes, out=None):
     if ct != x.dtype:
         out = None
     if data.size and _trailing(axes, data.ndim):
-        rows = _as_rows(data, axes)
+        rows = as_rows(data, axes)
         if rows is None:  # not dense in any axis order (a slice with steps): one copy
             data = xp.ascontiguousarray(data)
-            rows = _as_rows(data, axes)
+            rows = as_rows(data, axes)
         result = _softmax_rows(xp, data, rows, out)
     else:
         if out is None:
@@ -50,7 +50,7 @@ def _trailing(axes, ndim) -> bool:
     return tuple(axes) == tuple(range(ndim - len(axes), ndim))
 
 
-def _as_rows(x, axes):
+def as_rows(x, axes):
     """(order, x2d): x's axes in memory order (the softmax axes, trailing, last) and x as a
     2-D view of (rows, softmax elements), or None when x's memory is not dense in some axis
     order with the softmax axes innermost."""

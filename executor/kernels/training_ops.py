@@ -25,7 +25,7 @@ from ._util import (
     row_sums,
     summed_by_rows,
 )
-from .nn import coerced_axes, per_row_params, single_axis
+from .nn import as_rows, coerced_axes, per_row_params, single_axis
 from .reduce import _axes, reduce_sum
 from .shape import slice_index, split_array, split_sizes
 
@@ -61,14 +61,27 @@ def _softmax_grad(ctx, dy, y, axes):
     if summed_by_rows(ct) and y.size and axes[-1] == y.ndim - 1 and dy.shape == y.shape:
         # trailing axes: (rows, D) views, the row sums by einsum, the result into dy when
         # it is donated (dy is read elementwise before its element is written)
-        rows = math.prod(y.shape[:axes[0]])
-        y2, dy2 = y32.reshape(rows, -1), dy32.reshape(rows, -1)
-        out = ctx.out_for(dy.shape, dy.dtype, dy) if ct == dy.dtype else None
-        if out is None or not out.flags.c_contiguous:  # (its (rows, D) view would be a copy)
-            # allocated in y's shape, not as a (rows, D) array reshaped: a view (an array
-            # with a base) is not donated to the next in-place kernel
-            out = xp.empty(y.shape, ct)
-        dx = out.reshape(y2.shape)
+        laid_out = _rows_in_memory_order(y32, dy32, axes)
+        if laid_out is not None:
+            # y and dy share a layout in which the rows are dense (the attention
+            # probabilities and their gradient, (b, h, s, t) over (b, s, h, t) memory, as
+            # Softmax left them): rows in memory order, dx in that layout too, no copies
+            order, y2, dy2 = laid_out
+            out = (ctx.out_for(dy.shape, dy.dtype, dy, any_layout=True) if ct == dy.dtype
+                   else None)
+            if out is None or out.strides != y32.strides:
+                out = xp.empty([y.shape[a] for a in order], ct).transpose(
+                    [order.index(a) for a in range(y.ndim)])
+            dx = out.transpose(order).reshape(y2.shape)
+        else:
+            rows = math.prod(y.shape[:axes[0]])
+            y2, dy2 = y32.reshape(rows, -1), dy32.reshape(rows, -1)
+            out = ctx.out_for(dy.shape, dy.dtype, dy) if ct == dy.dtype else None
+            if out is None or not out.flags.c_contiguous:  # (its (rows, D) view: a copy)
+                # allocated in y's shape, not as a (rows, D) array reshaped: a view (an
+                # array with a base) is not donated to the next in-place kernel
+                out = xp.empty(y.shape, ct)
+            dx = out.reshape(y2.shape)
         compiled = compiled_kernels(xp, ct, y2.size)
 
         def rows_of(lo, hi):  # a block's rows of dy are read before they are written
@@ -79,7 +92,7 @@ def _softmax_grad(ctx, dy, y, axes):
             block = xp.subtract(dy2[lo:hi], total[:, None], out=dx[lo:hi])
             block *= y2[lo:hi]
 
-        run_rows(xp, rows_of, rows, y2.shape[1])
+        run_rows(xp, rows_of, y2.shape[0], y2.shape[1])
         return out.astype(y.dtype, copy=False)
     # y * (dy - sum(y * dy)) in one buffer: the product's, reused once it is summed
     dx = y32 * dy32
@@ -87,6 +100,18 @@ def _softmax_grad(ctx, dy, y, axes):
     xp.subtract(dy32, total, out=dx)
     dx *= y32
     return dx.astype(y.dtype, copy=False)
+
+
+def _rows_in_memory_order(y, dy, axes):
+    """(order, y2, dy2) when y and dy, not C-contiguous, have the same strides and are dense
+    with the softmax axes innermost in some order of the others (nn.as_rows), else None."""
+    if y.flags.c_contiguous or y.strides != dy.strides:
+        return None
+    rows = as_rows(y, axes)
+    if rows is None:
+        return None
+    order, y2 = rows
+    return order, y2, dy.transpose(order).reshape(y2.shape)
 
 
 @_ms("SoftmaxGrad", inplace=True)

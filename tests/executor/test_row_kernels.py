@@ -185,6 +185,23 @@ def test_softmax_grad_writes_into_a_donated_gradient(kernel_path):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("donate", [False, True])
+def test_softmax_grad_keeps_the_attention_layout_of_its_inputs(kernel_path, donate):
+    """Attention probabilities and their gradient in (b, h, s, t) over (b, s, h, t) memory:
+    the rows are read where they lie and dx comes out in the same layout, donated or not,
+    with the values of the contiguous computation."""
+    shape = (2, 5, 3, 16)  # (b, s, h, t) in memory
+    y = _softmax(RNG.standard_normal(shape), -1).astype(np.float32).transpose(0, 2, 1, 3)
+    dy = RNG.standard_normal(shape).astype(np.float32).transpose(0, 2, 1, 3)
+    node = _node("SoftmaxGrad_13", axis=-1)
+    want = training_ops.softmax_grad_13(_ctx(), node, np.ascontiguousarray(dy),
+                                        np.ascontiguousarray(y))
+    got = training_ops.softmax_grad_13(_ctx(dy) if donate else _ctx(), node, dy, y)
+    assert (got is dy) == donate
+    assert got.strides == y.strides
+    np.testing.assert_array_equal(got, want)
+
+
 def _sce_reference(scores, labels, ignore_index=None):
     x = scores.astype(np.float64)
     log_prob = x - x.max(axis=1, keepdims=True)
