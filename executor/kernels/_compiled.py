@@ -28,8 +28,11 @@ ENV_SWITCH = "GRAPHOPT_COMPILED_KERNELS"
 MIN_ELEMENTS = 1 << 12
 
 # the operators whose float32 kernels call the compiled ones
-OP_TYPES = frozenset({"Softmax", "LayerNormalization", "Gelu", "BiasGelu", "SoftmaxGrad",
-                      "SoftmaxGrad_13", "LayerNormalizationGrad", "GeluGrad", "BiasGeluGrad_dX"})
+OP_TYPES = frozenset({
+    "Softmax", "LogSoftmax", "LayerNormalization", "Gelu", "BiasGelu", "SoftmaxGrad",
+    "SoftmaxGrad_13", "LayerNormalizationGrad", "GeluGrad", "BiasGeluGrad_dX",
+    "SoftmaxCrossEntropyLoss", "SoftmaxCrossEntropyLossInternal",
+    "SoftmaxCrossEntropyLossGrad", "SoftmaxCrossEntropyLossInternalGrad"})
 
 _module = None
 _unavailable: str | None = None

@@ -75,17 +75,30 @@ def _exp_nonpositive(x):
 # scalar, 9 ms vectorised)
 
 
+@numba.njit(**_OPTIONS)
+def _row_peak(keys):
+    """The largest float32 of a row given as its int32 bits, by an integer maximum (which
+    vectorises; a float one does not without assuming away NaN): bits ^ ((bits >> 31) &
+    0x7FFFFFFF) orders the floats as integers, with a NaN of positive sign above +inf (the
+    peak is then NaN) and one of negative sign below -inf (its exp is NaN all the same)."""
+    best = np.int32(-2147483648)
+    for j in range(keys.size):
+        bits = keys[j]
+        key = bits ^ ((bits >> np.int32(31)) & np.int32(0x7FFFFFFF))
+        best = key if key > best else best
+    bits = np.int32(best ^ ((best >> np.int32(31)) & np.int32(0x7FFFFFFF)))
+    return bits.view(np.float32)
+
+
 @numba.njit(fastmath=_SUMMING, **_OPTIONS)
 def softmax_rows(x, out):
     """Softmax of each row of the C-contiguous (rows, width) float32 ``x`` into ``out`` (may be
     x). A row holding NaN or +inf, or only -inf, comes out NaN, as NumPy's does."""
     rows, width = x.shape
     exps = np.empty(width, np.float32)  # see _ROW_SCRATCH
+    keys = x.view(np.int32)
     for i in range(rows):
-        peak = x[i, 0]
-        for j in range(1, width):
-            value = x[i, j]
-            peak = value if value > peak else peak  # a NaN peak stays NaN
+        peak = _row_peak(keys[i])
         total = _ZERO
         for j in range(width):
             e = _exp_nonpositive(x[i, j] - peak)
@@ -94,6 +107,27 @@ def softmax_rows(x, out):
         inverse = _ONE / total
         for j in range(width):
             out[i, j] = exps[j] * inverse
+
+
+@numba.njit(fastmath=_ROUNDING, **_OPTIONS)
+def exp_of_nonpositive(x, out):
+    """exp of every element of the flat float32 ``x`` into ``out`` (may be x) and True, when
+    no element is above 0 (log-probabilities, scores less their row maximum; NaN allowed);
+    False, writing nothing, when one is: the caller then takes NumPy's exp."""
+    positives = 0
+    for j in range(x.size):  # a count, not an early exit: the count vectorises
+        if x[j] > _ZERO:
+            positives += 1
+    if positives:
+        return False
+    chunk = np.empty(min(x.size, 2048), np.float32)  # see _ROW_SCRATCH
+    for start in range(0, x.size, chunk.size):
+        count = min(chunk.size, x.size - start)
+        for j in range(count):
+            chunk[j] = _exp_nonpositive(x[start + j])
+        for j in range(count):
+            out[start + j] = chunk[j]
+    return True
 
 
 @numba.njit(fastmath=_SUMMING, **_OPTIONS)

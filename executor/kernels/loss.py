@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..registry import MS_DOMAIN, kernel
-from .nn import log_softmax_over
+from .nn import exp_of_nonpositive, log_softmax_over
 
 
 def _uniform_weight(labels, weights, ignore_index):
@@ -98,7 +98,7 @@ def softmax_cross_entropy_grad(xp, dy, log_prob, labels, weights, ignore_index, 
         factor = dy.reshape(())
         if reduction == "mean":
             factor = factor / np.ones(labels.shape, log_prob.dtype).sum(dtype=log_prob.dtype)
-        grad = np.exp(log_prob, out=out)
+        grad = exp_of_nonpositive(xp, log_prob, out)
         view, index = _at_labels(grad, labels)
         view[index] -= 1
         grad *= factor

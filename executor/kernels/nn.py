@@ -101,8 +101,21 @@ def log_softmax_over(xp, x, axes):
     ct = compute_dtype(x.dtype)
     data = x if ct == x.dtype else x.astype(ct)
     out = data - max_over(xp, data, axes)
-    out -= xp.log(sums_over(xp, xp.exp(out), axes))
+    out -= xp.log(sums_over(xp, exp_of_nonpositive(xp, out), axes))
     return out if ct == x.dtype else out.astype(x.dtype)
+
+
+def exp_of_nonpositive(xp, x, out=None):
+    """``xp.exp(x, out=out)`` for x that is at most 0 by construction (scores less their
+    maximum, log-probabilities): the compiled kernel's vectorised exp for NumPy float32 (it
+    checks the sign and leaves any other x to NumPy's exp)."""
+    compiled = compiled_kernels(xp, x.dtype, x.size)
+    if compiled is not None and x.flags.c_contiguous:
+        result = xp.empty_like(x) if out is None else out
+        if result.flags.c_contiguous and compiled.exp_of_nonpositive(
+                x.reshape(-1), result.reshape(-1)):
+            return result
+    return xp.exp(x, out=out)
 
 
 def _hardmax_over(xp, x, axes):

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from graphopt.executor.kernels import _compiled, _util, nn, training_ops
+from graphopt.executor.kernels import _compiled, _util, loss, nn, training_ops
 from graphopt.executor.kernels._threads import ROW_BLOCK
 
 numba = pytest.importorskip("numba")
@@ -247,3 +247,40 @@ def test_a_numpy_session_loads_the_kernels_its_graph_may_call_at_set_up(monkeypa
     monkeypatch.setenv(_compiled.ENV_SWITCH, "0")
     _session_of("Softmax")
     assert _compiled._module is None
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_exp_of_nonpositive_matches_numpy_and_leaves_positive_input_to_it(in_place):
+    x = -np.abs(RNG.standard_normal(5000) * 30).astype(np.float32)
+    x[::7] = -np.inf
+    x[3] = np.nan
+    want = np.exp(x.astype(np.float64))
+    source = x.copy()
+    got = nn.exp_of_nonpositive(np, source, source if in_place else None)
+    assert (got is source) == in_place
+    normal = want >= FLOAT32_MIN_NORMAL
+    np.testing.assert_allclose(got[normal], want[normal], rtol=1.2e-7)
+    assert (got[~normal & ~np.isnan(x)] <= FLOAT32_MIN_NORMAL).all() and np.isnan(got[3])
+    # one element above 0: every element is NumPy's exp (the kernel's range ends at 0)
+    x[10] = 89.5
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(nn.exp_of_nonpositive(np, x), np.exp(x))
+
+
+def test_log_softmax_and_the_cross_entropy_gradient_match_float64(monkeypatch):
+    scores = (RNG.standard_normal((512, 56)) * 5).astype(np.float32)
+    labels = RNG.integers(0, 56, 512)
+    x64 = scores.astype(np.float64)
+    want = x64 - x64.max(axis=1, keepdims=True)
+    want -= np.log(np.exp(want).sum(axis=1, keepdims=True))
+    log_prob = nn.log_softmax_over(np, scores, (1,))
+    numpy_path = _numpy_path(monkeypatch, lambda: nn.log_softmax_over(np, scores, (1,)))
+    np.testing.assert_allclose(log_prob, want, rtol=1e-6, atol=2e-6)
+    np.testing.assert_allclose(log_prob, numpy_path, rtol=1e-6, atol=2e-6)
+    dy = np.array(1.0, np.float32)
+    grad = loss.softmax_cross_entropy_grad(np, dy, log_prob, labels, None, None, "mean",
+                                           out=log_prob)
+    assert grad is log_prob  # in place, as a donated log_prob is
+    want_grad = np.exp(want)
+    want_grad[np.arange(512), labels] -= 1
+    np.testing.assert_allclose(grad, want_grad / 512, rtol=2e-6, atol=1e-9)
