@@ -100,6 +100,13 @@ def _softmax_into(xp, x, axes, out):
 def log_softmax_over(xp, x, axes):
     ct = compute_dtype(x.dtype)
     data = x if ct == x.dtype else x.astype(ct)
+    if len(axes) == 1 and 0 < axes[0] < data.ndim - 1 and data.flags.c_contiguous:
+        compiled = compiled_kernels(xp, ct, data.size)
+        if compiled is not None:  # over an inner axis (a cross-entropy's classes): one pass
+            shape3 = (math.prod(data.shape[:axes[0]]), data.shape[axes[0]], -1)
+            out = xp.empty_like(data)
+            compiled.log_softmax_classes(data.reshape(shape3), out.reshape(shape3))
+            return out if ct == x.dtype else out.astype(x.dtype)
     out = data - max_over(xp, data, axes)
     out -= xp.log(sums_over(xp, exp_of_nonpositive(xp, out), axes))
     return out if ct == x.dtype else out.astype(x.dtype)

@@ -284,3 +284,26 @@ def test_log_softmax_and_the_cross_entropy_gradient_match_float64(monkeypatch):
     want_grad = np.exp(want)
     want_grad[np.arange(512), labels] -= 1
     np.testing.assert_allclose(grad, want_grad / 512, rtol=2e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("shape", [(32, 56, 32), (8, 56, 128), (3, 5, 2, 7)])
+def test_log_softmax_over_the_class_axis_matches_float64_and_the_numpy_passes(monkeypatch,
+                                                                              shape):
+    scores = (RNG.standard_normal(shape) * 5).astype(np.float32)
+    flat = scores.reshape(shape[0], shape[1], -1)
+    flat[0, 2, 1] = -np.inf  # a class masked out
+    flat[1, :, 0] = -np.inf  # a position with every class masked: NaN, as in NumPy
+    flat[2, 3, 1] = np.nan
+    x64 = scores.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        want = x64 - x64.max(axis=1, keepdims=True)
+        want -= np.log(np.exp(want).sum(axis=1, keepdims=True))
+        numpy_path = _numpy_path(monkeypatch, lambda: nn.log_softmax_over(np, scores, (1,)))
+        got = nn.log_softmax_over(np, scores, (1,))
+    assert got.dtype == np.float32 and got.shape == scores.shape
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(numpy_path))
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6, atol=2e-6)
+    np.testing.assert_allclose(got[finite], numpy_path[finite], rtol=1e-6, atol=2e-6)
+    assert got.reshape(flat.shape)[0, 2, 1] == -np.inf
