@@ -53,9 +53,23 @@ def _blas_controllers() -> list:
         except ImportError:
             _controllers = []
         else:
-            _controllers = [c for c in ThreadpoolController().lib_controllers
-                            if c.user_api == "blas"]
+            found = [c for c in ThreadpoolController().lib_controllers
+                     if c.user_api == "blas"]
+            # NumPy's own BLAS when it can be told apart: another one in the process
+            # (SciPy's, which numba loads with the compiled kernels) runs none of NumPy's
+            # products, and switching it too doubles the cost of every switch
+            numpy_blas = _numpy_blas_version()
+            _controllers = [c for c in found if c.version == numpy_blas] or found
     return _controllers
+
+
+def _numpy_blas_version() -> str | None:
+    """The version of the BLAS NumPy was built against, as its build configuration says."""
+    try:
+        config = np.show_config(mode="dicts")
+        return config["Build Dependencies"]["blas"]["version"]
+    except (TypeError, KeyError, AttributeError):  # NumPy before 1.25, or no BLAS entry
+        return None
 
 
 def _lower_to_one() -> list:

@@ -254,3 +254,19 @@ def test_the_serial_times_kept_are_bounded(blas_on_two_threads, monkeypatch):
     assert len(session._ctx.blas._best_serial) <= 3
     # 512 rows was forgotten when the fourth shape came: serial again on its second visit
     assert seen == [1, 1, 1, 1, 1]
+
+
+def test_only_numpys_own_blas_is_switched_when_another_is_loaded(monkeypatch):
+    """numba loads SciPy's OpenBLAS beside NumPy's: switching it as well would run none of
+    NumPy's products on fewer threads and double the cost of each switch."""
+    pytest.importorskip("scipy.linalg.cython_blas")  # SciPy's OpenBLAS, loaded
+    from threadpoolctl import ThreadpoolController
+
+    every = [c for c in ThreadpoolController().lib_controllers if c.user_api == "blas"]
+    numpy_version = blas_threads._numpy_blas_version()
+    if numpy_version is None or len({c.version for c in every}) < 2:
+        pytest.skip("NumPy's and SciPy's BLAS cannot be told apart here")
+    monkeypatch.setattr(blas_threads, "_controllers", None)
+    chosen = blas_threads._blas_controllers()
+    assert chosen and all(c.version == numpy_version for c in chosen)
+    assert len(chosen) < len(every)
