@@ -211,11 +211,13 @@ def layer_norm_rows(x, scale, bias, epsilon, y, mean, inv_std):
 
 
 @numba.njit(fastmath=_SUMMING, **_OPTIONS)
-def layer_norm_grad_rows(dy, x, scale, mean, inv_std, xhat, dx):
-    """LayerNorm's input gradient row by row: xhat = (x - mean) * inv_std (kept for the
-    parameter gradients) and dx = inv_std * (dxhat - mean(dxhat) - xhat * mean(dxhat *
-    xhat)), dxhat = dy * scale."""
+def layer_norm_grad_rows(dy, x, scale, mean, inv_std, dx, scale_sums, bias_sums):
+    """LayerNorm's gradients over a block of rows: dx = inv_std * (dxhat - mean(dxhat) -
+    xhat * mean(dxhat * xhat)), dxhat = dy * scale, xhat = (x - mean) * inv_std; and the
+    block's share of the parameter gradients added into ``scale_sums`` (dy * xhat summed
+    over the rows) and ``bias_sums`` (dy summed), rows in order."""
     rows, width = x.shape
+    xhat = np.empty(width, np.float32)
     for i in range(rows):
         row_mean = mean[i]
         inverse = inv_std[i]
@@ -223,14 +225,17 @@ def layer_norm_grad_rows(dy, x, scale, mean, inv_std, xhat, dx):
         product_total = _ZERO
         for j in range(width):
             normalized = (x[i, j] - row_mean) * inverse
-            xhat[i, j] = normalized
-            dxhat = dy[i, j] * scale[j]
+            xhat[j] = normalized
+            gradient = dy[i, j]
+            dxhat = gradient * scale[j]
             dxhat_total += dxhat
             product_total += dxhat * normalized
+            scale_sums[j] += gradient * normalized
+            bias_sums[j] += gradient
         dxhat_mean = dxhat_total / _F(width)
         product_mean = product_total / _F(width)
         for j in range(width):
-            dx[i, j] = (dy[i, j] * scale[j] - dxhat_mean - xhat[i, j] * product_mean) * inverse
+            dx[i, j] = (dy[i, j] * scale[j] - dxhat_mean - xhat[j] * product_mean) * inverse
 
 
 @numba.njit(fastmath=_ROUNDING, **_OPTIONS)

@@ -93,7 +93,13 @@ def run_rows(xp, fn, rows: int, width: int) -> None:
     if xp is not np:
         fn(0, rows)
         return
-    run_blocks(fn, rows, max(1, ROW_BLOCK // max(width, 1)), rows * width)
+    run_blocks(fn, rows, rows_per_block(width), rows * width)
+
+
+def rows_per_block(width: int) -> int:
+    """How many rows of ``width`` elements run_rows hands ``fn`` at a time on NumPy (the
+    last block may hold fewer); a block starts at a multiple of it."""
+    return max(1, ROW_BLOCK // max(width, 1))
 
 
 def run_blocks(fn, count: int, block: int, size: int | None = None) -> None:

@@ -12,7 +12,7 @@ from ..errors import FeedError
 from ..registry import MS_DOMAIN, kernel
 from ._compiled import compiled_kernels
 from ._scatter import check_bounds, scatter_rows
-from ._threads import run_rows
+from ._threads import rows_per_block, run_rows
 from ._util import (
     column_dots,
     column_sums,
@@ -326,7 +326,6 @@ def _layer_norm_grad_rows(xp, dy, x, scale, mean, inv_std, ct):
     scale1 = scale.astype(ct, copy=False).reshape(width)
     mean1, inv1 = (a.astype(ct, copy=False).reshape(rows, 1) for a in (mean, inv_std))
     x2 = x.astype(ct, copy=False).reshape(rows, width)
-    xhat = xp.empty((rows, width), ct)
     # allocated in x's shape (a reshaped (rows, D) array would be a view: not donated on)
     result = xp.empty(x.shape, ct)
     dx = result.reshape(rows, width)
@@ -351,13 +350,24 @@ def _layer_norm_grad_rows(xp, dy, x, scale, mean, inv_std, ct):
     # the row parts in blocks, on several threads when large; the parameter gradients'
     # column sums run over all rows in one call (their bits do not depend on any cut)
     compiled = compiled_kernels(xp, ct, x2.size)
-    if compiled is not None:  # xhat and dx in one pass a row
+    if compiled is not None:
+        # one pass a row, the parameter gradients summed block by block (each block's
+        # column sums in their own row of ``sums``, then the blocks added in order: the
+        # same bits whichever threads ran them) and no xhat array
         scale1 = np.ascontiguousarray(scale1)
         mean_flat, inv_flat = (np.ascontiguousarray(a).reshape(rows) for a in (mean1, inv1))
-        run_rows(xp, lambda lo, hi: compiled.layer_norm_grad_rows(
-            dy2[lo:hi], x2[lo:hi], scale1, mean_flat[lo:hi], inv_flat[lo:hi], xhat[lo:hi],
-            dx[lo:hi]), rows, width)
-        return result, column_dots(xp, dy2, xhat), column_sums(xp, dy2)
+        per_block = rows_per_block(width)
+        sums = np.zeros((2, -(-rows // per_block), width), ct)
+
+        def block(lo, hi):
+            compiled.layer_norm_grad_rows(
+                dy2[lo:hi], x2[lo:hi], scale1, mean_flat[lo:hi], inv_flat[lo:hi], dx[lo:hi],
+                sums[0, lo // per_block], sums[1, lo // per_block])
+
+        run_rows(xp, block, rows, width)
+        scale_grad, bias_grad = sums.sum(axis=1)
+        return result, scale_grad, bias_grad
+    xhat = xp.empty((rows, width), ct)
     run_rows(xp, normalized, rows, width)
     scale_grad = column_dots(xp, dy2, xhat)
     bias_grad = column_sums(xp, dy2)

@@ -175,10 +175,13 @@ def test_sum_blocks_equal_adds_in_order():
     np.testing.assert_array_equal(donated, expected)
 
 
-def _unsplit(monkeypatch):
-    """Kernels from now on on one thread, in one block per call (for a reference)."""
+def _unsplit(monkeypatch, keep_blocks=False):
+    """Kernels from now on on one thread, in one block per call (for a reference); with
+    ``keep_blocks``, in the same blocks (a kernel that sums block by block, whose bits then
+    depend on the blocks but not on the threads running them)."""
     monkeypatch.setattr(_threads, "_WORKERS", 1)
-    monkeypatch.setattr(_threads, "ROW_BLOCK", 1 << 40)
+    if not keep_blocks:
+        monkeypatch.setattr(_threads, "ROW_BLOCK", 1 << 40)
 
 
 def test_softmax_grad_blocks_equal_one_pass(monkeypatch, kernel_path):
@@ -203,7 +206,7 @@ def test_layer_norm_and_its_gradient_blocks_equal_one_pass(monkeypatch, kernel_p
     grads = _layer_norm_grad_rows(np, dy, x, scale, mean, inv_std, np.dtype(np.float32))
     np.testing.assert_allclose(grads[1], (dy * xhat).sum(0), rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(grads[2], dy.astype(np.float64).sum(0), rtol=1e-4, atol=1e-3)
-    _unsplit(monkeypatch)
+    _unsplit(monkeypatch, keep_blocks=kernel_path == "compiled")
     one_pass = _layer_norm_rows(np, x, 1, 1e-5, np.dtype(np.float32), scale, bias)
     for got, want in zip((y, mean, inv_std), one_pass, strict=True):
         np.testing.assert_array_equal(got, want)
