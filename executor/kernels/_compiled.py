@@ -56,9 +56,7 @@ def preload(op_types) -> None:
     kernel loaded from numba's cache; the others then take milliseconds). A session's set-up
     pays it, like a framework's import, and not its first run."""
     if enabled() and not OP_TYPES.isdisjoint(op_types):
-        module = _load()
-        if module is not None:
-            module.warm_up()
+        _load()
 
 
 def _load():
@@ -66,8 +64,14 @@ def _load():
     if _module is None and _unavailable is None:
         try:
             from . import _jit_kernels  # noqa: PLC0415 - imports numba: only when first needed
+
+            # compiles (or loads) one kernel: a numba that cannot compile here is found now,
+            # once, as is one with nowhere to keep its cache (cache=True then fails at import)
+            _jit_kernels.warm_up()
         except ImportError as error:  # numba missing or broken: the NumPy passes
             _unavailable = f"numba could not be imported ({error})"
+        except Exception as error:  # noqa: BLE001 - any other failure: the NumPy passes too
+            _unavailable = f"numba could not compile here ({type(error).__name__}: {error})"
         else:
             _module = _jit_kernels
     return _module

@@ -307,3 +307,16 @@ def test_log_softmax_over_the_class_axis_matches_float64_and_the_numpy_passes(mo
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6, atol=2e-6)
     np.testing.assert_allclose(got[finite], numpy_path[finite], rtol=1e-6, atol=2e-6)
     assert got.reshape(flat.shape)[0, 2, 1] == -np.inf
+
+
+def test_a_numba_that_cannot_compile_here_leaves_the_numpy_passes(monkeypatch):
+    def refuse():
+        raise RuntimeError("cannot cache function 'softmax_rows': no locator available")
+
+    monkeypatch.setattr(_compiled, "_module", None)
+    monkeypatch.setattr(_compiled, "_unavailable", None)
+    monkeypatch.setattr(jit, "warm_up", refuse)
+    assert _compiled.compiled_kernels(np, np.dtype(np.float32), 1 << 20) is None
+    assert _compiled.describe() == ("NumPy passes: numba could not compile here (RuntimeError: "
+                                    "cannot cache function 'softmax_rows': no locator "
+                                    "available)")
