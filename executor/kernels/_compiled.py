@@ -23,8 +23,8 @@ import os
 import numpy as np
 
 ENV_SWITCH = "GRAPHOPT_COMPILED_KERNELS"
-# below this many elements the NumPy passes take microseconds and a process need not import
-# numba (0.5 s) for them: the unit tests' tiny graphs never do
+# below this many elements the NumPy passes take microseconds, and a kernel call's own cost
+# (numba's dispatch, a scratch row) is as large as what it saves
 MIN_ELEMENTS = 1 << 12
 
 # the operators whose float32 kernels call the compiled ones
