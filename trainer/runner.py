@@ -16,7 +16,7 @@ import onnx
 
 from graphopt import modelio
 from graphopt.errors import GraphoptError
-from graphopt.executor import ExecutorError, Session
+from graphopt.executor import ExecutorError, Session, describe_compiled_kernels
 from graphopt.executor.session import value_type
 from graphopt.training.graph import has_yield
 from graphopt.training.prepare import trained_params
@@ -361,7 +361,7 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
         f"{batches.batch_size} ({batches.steps_per_epoch} steps per epoch); optimizer "
         f"{optimizer.name} lr {optimizer.lr:g}{_schedule_words(settings)}; precision "
         f"{precision}; loss scale "
-        f"{scaler.describe()}; device {session.device}")
+        f"{scaler.describe()}; device {session.device}{_kernel_words(session)}")
     try:
         try:
             result = trainer.run()
@@ -569,3 +569,10 @@ def _denormal_report(target: str, session: Session, say) -> None:
     if target != "-":
         modelio.write_text_atomic(target, json.dumps(report, indent=2))
         say(f"wrote {target}")
+
+
+def _kernel_words(session) -> str:
+    """What the CPU's float32 row and activation kernels run on (see the README)."""
+    if session.device != "cpu":
+        return ""
+    return f" (float32 row kernels: {describe_compiled_kernels()})"

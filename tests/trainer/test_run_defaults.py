@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 from support.training_runs import MLP, mlp_data, write_npz
@@ -173,3 +174,16 @@ def test_every_file_written_is_named(tmp_path):
                  f"wrote the training graph to {graph}",
                  f"checkpoint: {tmp_path / 'ck' / 'checkpoint.npz'}"):
         assert line in result.stdout.splitlines(), line
+
+
+@pytest.mark.parametrize("switch,words", [("1", "(float32 row kernels: compiled (numba "),
+                                          ("0", "(float32 row kernels: NumPy passes "
+                                                "(GRAPHOPT_COMPILED_KERNELS=0))")])
+def test_the_training_line_says_which_cpu_kernels_run(monkeypatch, switch, words):
+    if switch == "1":
+        pytest.importorskip("numba")
+    monkeypatch.setenv("GRAPHOPT_COMPILED_KERNELS", switch)
+    result = invoke("--example", "mqa", "--steps", "1")
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.output.splitlines() if line.startswith("training "))
+    assert line.split("; device cpu ", 1)[1].startswith(words)
