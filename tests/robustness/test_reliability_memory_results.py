@@ -417,17 +417,27 @@ def test_item10_data_npz_reads_only_the_arrays_the_graph_needs(tmp_path):
     data = tmp_path / "bomb.npz"
     _write_bomb_npz(data, 1 << 26)  # 256 MiB of zeros, about 1 MB compressed
     assert os.path.getsize(data) < 4 << 20
-    result = _peak_rss_mib(f"""
+    plain = tmp_path / "plain.npz"  # the same run without the unused array: the control
+    _write_bomb_npz(plain, 0)
+
+    def peak_of_a_run_on(path, output):
+        result = _peak_rss_mib(f"""
 import json
 from graphopt.cli import main
 RESULT = {{}}
-RESULT["code"] = main(["run", {MLP!r}, "--data", {str(data)!r}, "--loss", "cross_entropy",
-                       "--batch-size", "4", "--steps", "2", "-o", {str(tmp_path / "t.onnx")!r}],
+RESULT["code"] = main(["run", {MLP!r}, "--data", {str(path)!r}, "--loss", "cross_entropy",
+                       "--batch-size", "4", "--steps", "2", "-o", {str(output)!r}],
                       standalone_mode=False)
 """)
-    assert result["code"] in (0, None), result
-    assert os.path.exists(tmp_path / "t.onnx")
-    assert result["peak_mib"] < 200, result
+        assert result["code"] in (0, None), result
+        assert os.path.exists(output)
+        return result["peak_mib"]
+
+    # against the control, not an absolute size: the process's own size depends on what it
+    # loads (numba's compiled kernels, about 110 MiB); reading the array would add 256 MiB
+    grown = (peak_of_a_run_on(data, tmp_path / "t.onnx")
+             - peak_of_a_run_on(plain, tmp_path / "control.onnx"))
+    assert grown < 32, grown
 
 
 def test_item10_array_sizes_are_checked_against_the_limit_before_decompressing(tmp_path):
