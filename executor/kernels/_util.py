@@ -261,22 +261,29 @@ def _gelu_grad_from_output_block(x, out, z, pq, y, dy):
     out *= dy
 
 
-def _blockwise(block, x, *also):
-    """``block(x_part, out_part, z, pq, *also_parts)`` over blocks of _ERF32_CHUNK elements of
-    x (float32 or float16; the result has x's dtype) and of the arrays ``also`` (x's shape),
-    with float32 scratch ``z`` (n,) and ``pq`` (2, n), split over threads as run_blocks
-    decides. Each block is computed the same way wherever the cuts fall."""
+def _over_blocks(call, x, *also):
+    """``call(x_part, out_part, *also_parts)`` over flat blocks of _ERF32_CHUNK elements of x
+    (the result has x's dtype and shape) and of the arrays ``also`` (x's shape), split over
+    threads as run_blocks decides. Each block is computed the same way wherever the cuts
+    fall."""
     flat = np.ascontiguousarray(x).reshape(-1)
     flat_also = [np.ascontiguousarray(a).reshape(-1) for a in also]
     out = np.empty(flat.shape, x.dtype)
-
-    def run(start, stop):
-        n = stop - start
-        block(flat[start:stop], out[start:stop], np.empty(n, np.float32),
-              np.empty((2, n), np.float32), *(a[start:stop] for a in flat_also))
-
-    run_blocks(run, flat.size, _ERF32_CHUNK)
+    run_blocks(lambda start, stop: call(flat[start:stop], out[start:stop],
+                                        *(a[start:stop] for a in flat_also)),
+               flat.size, _ERF32_CHUNK)
     return out.reshape(x.shape)
+
+
+def _blockwise(block, x, *also):
+    """``block(x_part, out_part, z, pq, *also_parts)`` over _over_blocks' blocks of x (float32
+    or float16), with float32 scratch ``z`` (n,) and ``pq`` (2, n) for each."""
+
+    def with_scratch(part, out, *also_parts):
+        n = part.size
+        block(part, out, np.empty(n, np.float32), np.empty((2, n), np.float32), *also_parts)
+
+    return _over_blocks(with_scratch, x, *also)
 
 
 def _float32_path(x):
@@ -317,16 +324,10 @@ def scipy_special(xp):
 
 
 def _compiled_blockwise(kernel, x, *also, extra=()):
-    """``kernel(x_part, *also_parts, out_part, *extra)`` over flat blocks of _ERF32_CHUNK
-    elements of the float32 ``x`` and the arrays ``also`` (x's shape), shared out over threads
-    as _blockwise's (the compiled kernels release the GIL); the result in x's shape."""
-    flat = np.ascontiguousarray(x).reshape(-1)
-    flat_also = [np.ascontiguousarray(a).reshape(-1) for a in also]
-    out = np.empty(flat.shape, x.dtype)
-    run_blocks(lambda start, stop: kernel(
-        flat[start:stop], *(a[start:stop] for a in flat_also), out[start:stop], *extra),
-        flat.size, _ERF32_CHUNK)
-    return out.reshape(x.shape)
+    """``kernel(x_part, *also_parts, out_part, *extra)`` over _over_blocks' blocks of the
+    float32 ``x`` (the compiled kernels release the GIL: the threads run them side by side)."""
+    return _over_blocks(lambda part, out, *also_parts: kernel(part, *also_parts, out, *extra),
+                        x, *also)
 
 
 # the GELU rational's coefficients as the compiled kernel takes them (P's, Q's, the clamp)

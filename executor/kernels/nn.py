@@ -63,12 +63,17 @@ def as_rows(x, axes):
     return order, dense.reshape(-1, math.prod(x.shape[a] for a in last))
 
 
+def empty_in_order(xp, shape, order, dtype):
+    """An empty array of ``shape`` whose memory runs through its axes in ``order`` (as_rows'
+    order: the result of a row kernel laid out as its input)."""
+    return xp.empty([shape[a] for a in order], dtype).transpose(
+        [order.index(a) for a in range(len(shape))])
+
+
 def _softmax_rows(xp, x, rows, out):
     order, x2 = rows
     if out is None or out.strides != x.strides:
-        out = xp.empty(x2.shape, x.dtype)
-        result = out.reshape([x.shape[a] for a in order]).transpose(
-            [order.index(a) for a in range(x.ndim)])
+        out = result = empty_in_order(xp, x.shape, order, x.dtype)
     else:  # x itself (donated), or a buffer of x's layout
         result = out
     o2 = out.reshape(x2.shape) if out.ndim == 2 else out.transpose(order).reshape(x2.shape)

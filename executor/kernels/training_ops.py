@@ -25,7 +25,7 @@ from ._util import (
     row_sums,
     summed_by_rows,
 )
-from .nn import as_rows, coerced_axes, per_row_params, single_axis
+from .nn import as_rows, coerced_axes, empty_in_order, per_row_params, single_axis
 from .reduce import _axes, reduce_sum
 from .shape import slice_index, split_array, split_sizes
 
@@ -70,8 +70,7 @@ def _softmax_grad(ctx, dy, y, axes):
             out = (ctx.out_for(dy.shape, dy.dtype, dy, any_layout=True) if ct == dy.dtype
                    else None)
             if out is None or out.strides != y32.strides:
-                out = xp.empty([y.shape[a] for a in order], ct).transpose(
-                    [order.index(a) for a in range(y.ndim)])
+                out = empty_in_order(xp, y.shape, order, ct)
             dx = out.transpose(order).reshape(y2.shape)
         else:
             rows = math.prod(y.shape[:axes[0]])
