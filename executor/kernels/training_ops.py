@@ -329,6 +329,25 @@ def _layer_norm_grad_rows(xp, dy, x, scale, mean, inv_std, ct):
     result = xp.empty(x.shape, ct)
     dx = result.reshape(rows, width)
 
+    compiled = compiled_kernels(xp, ct, x2.size)
+    if compiled is not None:
+        # one pass a row, the parameter gradients summed block by block (each block's
+        # column sums in their own row of ``sums``, then the blocks added in order: the
+        # same bits whichever threads ran them) and no xhat array
+        scale1 = np.ascontiguousarray(scale1)
+        mean_flat, inv_flat = (np.ascontiguousarray(a).reshape(rows) for a in (mean1, inv1))
+        per_block = rows_per_block(width)
+        sums = np.zeros((2, -(-rows // per_block), width), ct)
+
+        def block(lo, hi):
+            compiled.layer_norm_grad_rows(
+                dy2[lo:hi], x2[lo:hi], scale1, mean_flat[lo:hi], inv_flat[lo:hi], dx[lo:hi],
+                sums[0, lo // per_block], sums[1, lo // per_block])
+
+        run_rows(xp, block, rows, width)
+        scale_grad, bias_grad = sums.sum(axis=1)
+        return result, scale_grad, bias_grad
+
     def normalized(lo, hi):
         block = xp.subtract(x2[lo:hi], mean1[lo:hi], out=xhat[lo:hi])
         block *= inv1[lo:hi]
@@ -348,24 +367,6 @@ def _layer_norm_grad_rows(xp, dy, x, scale, mean, inv_std, ct):
 
     # the row parts in blocks, on several threads when large; the parameter gradients'
     # column sums run over all rows in one call (their bits do not depend on any cut)
-    compiled = compiled_kernels(xp, ct, x2.size)
-    if compiled is not None:
-        # one pass a row, the parameter gradients summed block by block (each block's
-        # column sums in their own row of ``sums``, then the blocks added in order: the
-        # same bits whichever threads ran them) and no xhat array
-        scale1 = np.ascontiguousarray(scale1)
-        mean_flat, inv_flat = (np.ascontiguousarray(a).reshape(rows) for a in (mean1, inv1))
-        per_block = rows_per_block(width)
-        sums = np.zeros((2, -(-rows // per_block), width), ct)
-
-        def block(lo, hi):
-            compiled.layer_norm_grad_rows(
-                dy2[lo:hi], x2[lo:hi], scale1, mean_flat[lo:hi], inv_flat[lo:hi], dx[lo:hi],
-                sums[0, lo // per_block], sums[1, lo // per_block])
-
-        run_rows(xp, block, rows, width)
-        scale_grad, bias_grad = sums.sum(axis=1)
-        return result, scale_grad, bias_grad
     xhat = xp.empty((rows, width), ct)
     run_rows(xp, normalized, rows, width)
     scale_grad = column_dots(xp, dy2, xhat)
