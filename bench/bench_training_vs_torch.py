@@ -5,7 +5,9 @@ method), plus the extra memory each step needs. Writes its section of bench/RESU
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_training_vs_torch.py
 
 PyTorch is optional (never a dependency of graphopt): without it the script says so and
-exits 0. About 1 minute on a quiet 2-core machine.
+exits 0. About 1 minute on a quiet 2-core machine. A second part times the wider model's
+forward products alone in each runtime (its own RESULTS.md section): whether a gap in the
+step is the BLAS's or the executor's.
 
 One step = for graphopt one run of the training graph (forward, YieldOp, backward, all
 parameter gradients), for PyTorch ``loss.backward()`` from parameters whose ``.grad`` is
@@ -42,6 +44,55 @@ CONFIGS = {  # name: (label, model config, batch)
               MqaConfig(vocab=56, seq=128, hidden=256, heads=8, mlp=1024), 8),
 }
 TARGETS = {"defaults": 1.5, "wider": 1.1}
+PRODUCTS_SECTION = "Training step's matrix products: NumPy's BLAS vs PyTorch's (issue 15)"
+
+
+def product_shapes(cfg: MqaConfig, batch: int) -> dict[str, tuple[int, int, int, int]]:
+    """The forward products of the MQA model's step, (batch, M, K, N) as graphopt's executor
+    runs them: the attention products with the query heads folded into the rows (one GEMM
+    per sequence, executor/gemm.py), the projections on every token at once. Each backward
+    product has the same M*K*N as one of these."""
+    tokens = batch * cfg.seq
+    return {
+        "QKV projection": (1, tokens, cfg.hidden, (cfg.heads + 2) * cfg.head_dim),
+        "attention scores": (batch, cfg.seq * cfg.heads, cfg.head_dim, cfg.seq),
+        "attention context": (batch, cfg.seq * cfg.heads, cfg.seq, cfg.head_dim),
+        "output projection": (1, tokens, cfg.hidden, cfg.hidden),
+        "MLP up": (1, tokens, cfg.hidden, cfg.mlp),
+        "MLP down": (1, tokens, cfg.mlp, cfg.hidden),
+        "LM head": (1, tokens, cfg.hidden, cfg.vocab),
+    }
+
+
+def products_worker(runtime: str, runs: int) -> None:
+    """Each forward product of the wider model's step, timed alone: NumPy's matmul (the
+    executor's products call it) or PyTorch's, PyTorch's attention products as its model
+    writes them (query heads against the one K/V head by broadcasting)."""
+    _, cfg, batch = CONFIGS["wider"]
+    rng = np.random.default_rng(0)
+    per_product = {}
+    for name, (b, m, k, n) in product_shapes(cfg, batch).items():
+        a = rng.standard_normal((b, m, k), np.float32)
+        w = rng.standard_normal((b, k, n), np.float32)
+        if b == 1:
+            a, w = a[0], w[0]
+        if runtime == "torch":
+            import torch
+
+            if b > 1:  # (b, heads, seq, K) against (b, 1, K, N), as in torch_step
+                a = a.reshape(b, cfg.heads, cfg.seq, k)
+                w = w.reshape(b, 1, k, n)
+            ta, tw = torch.from_numpy(a), torch.from_numpy(w)
+            per_product[name] = time_calls(lambda ta=ta, tw=tw: torch.matmul(ta, tw), runs, 3)
+        else:
+            per_product[name] = time_calls(lambda a=a, w=w: np.matmul(a, w), runs, 3)
+    totals = [sum(t[i] for t in per_product.values()) for i in range(runs)]
+    extra = {"products": per_product}
+    if runtime == "torch":
+        import torch
+
+        extra["threads"] = torch.get_num_threads()
+    worker_report(totals, **extra)
 
 
 def _batch(cfg: MqaConfig, batch: int):
@@ -126,6 +177,9 @@ def _peak_rss_mb() -> float:
 
 
 def worker(runtime: str, config: str, runs: int) -> None:
+    if config == "products":
+        products_worker(runtime, runs)
+        return
     _, cfg, batch = CONFIGS[config]
     extra = {}
     if runtime == "torch":
@@ -203,7 +257,48 @@ def main(argv=None) -> int:
         "installed, e.g. in a venv of its own)",
     ]
     publish(SECTION, lines, write=not args.no_write)
+    compare_products(args.runs, argv, write=not args.no_write)
     return 0
+
+
+def compare_products(runs: int, argv, write: bool) -> None:
+    """The wider step's forward products, each runtime in processes of its own: is the gap
+    in the products the BLAS's or the executor's?"""
+    results = in_processes(__file__, {rt: [rt, "products"] for rt in ("graphopt", "torch")},
+                           runs)
+    ours, theirs = results["graphopt"], results["torch"]
+    _, cfg, batch = CONFIGS["wider"]
+    rows = []
+    for name, (b, m, k, n) in product_shapes(cfg, batch).items():
+        o_times = [t for report in ours["products"] for t in report[name]]
+        t_times = [t for report in theirs["products"] for t in report[name]]
+        (o_med, o_min), (t_med, t_min) = med_min(o_times), med_min(t_times)
+        shape = f"{b} x ({m} x {k}) @ ({k} x {n})" if b > 1 else f"({m} x {k}) @ ({k} x {n})"
+        rows.append(f"| {name} | {shape} | {o_med:.2f} | {o_min:.2f} | {t_med:.2f} | "
+                    f"{t_min:.2f} | {o_med / t_med:.2f}x |")
+    (o_med, o_min), (t_med, t_min) = med_min(ours["times"]), med_min(theirs["times"])
+    rows.append(f"| all of them | | {o_med:.2f} | {o_min:.2f} | {t_med:.2f} | {t_min:.2f} | "
+                f"{o_med / t_med:.2f}x |")
+    lines = [
+        "The forward products of the wider model's training step (batch 8, float32), each "
+        "timed alone, NumPy's `matmul` (the call graphopt's executor makes) against "
+        "`torch.matmul`, each runtime in processes of its own (3 rounds, taking turns), "
+        f"warm-up, {len(ours['times'])} timed calls each. Rows: the executor's shapes, the "
+        "attention products with the 8 query heads folded into the rows against the one K/V "
+        "head; PyTorch gets them as its model writes them, (8, 8, 128, K) against "
+        "(8, 1, K, N). Every backward product has the same size as one of these.",
+        "",
+        "| product | shape | NumPy median ms | min ms | PyTorch median ms | min ms | "
+        "NumPy / PyTorch |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        f"Machine: {machine()}; numpy {np.__version__} ({ours['blas'][0]}); PyTorch "
+        f"{theirs['threads'][0]} threads.",
+        f"Command: `{command_line('bench_training_vs_torch.py', argv)}` (this section is its "
+        "second part)",
+    ]
+    publish(PRODUCTS_SECTION, lines, write=write)
 
 
 if __name__ == "__main__":
