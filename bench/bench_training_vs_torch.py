@@ -70,6 +70,11 @@ def products_worker(runtime: str, runs: int) -> None:
     writes them (query heads against the one K/V head by broadcasting)."""
     _, cfg, batch = CONFIGS["wider"]
     rng = np.random.default_rng(0)
+    extra = {}
+    if runtime == "torch":
+        import torch
+
+        extra = {"threads": torch.get_num_threads(), "version": torch.__version__}
     per_product = {}
     for name, (b, m, k, n) in product_shapes(cfg, batch).items():
         a = rng.standard_normal((b, m, k), np.float32)
@@ -77,8 +82,6 @@ def products_worker(runtime: str, runs: int) -> None:
         if b == 1:
             a, w = a[0], w[0]
         if runtime == "torch":
-            import torch
-
             if b > 1:  # (b, heads, seq, K) against (b, 1, K, N), as in torch_step
                 a = a.reshape(b, cfg.heads, cfg.seq, k)
                 w = w.reshape(b, 1, k, n)
@@ -87,12 +90,7 @@ def products_worker(runtime: str, runs: int) -> None:
         else:
             per_product[name] = time_calls(lambda a=a, w=w: np.matmul(a, w), runs, 3)
     totals = [sum(t[i] for t in per_product.values()) for i in range(runs)]
-    extra = {"products": per_product}
-    if runtime == "torch":
-        import torch
-
-        extra["threads"] = torch.get_num_threads()
-    worker_report(totals, **extra)
+    worker_report(totals, products=per_product, **extra)
 
 
 def _batch(cfg: MqaConfig, batch: int):
@@ -280,13 +278,14 @@ def compare_products(runs: int, argv, write: bool) -> None:
     rows.append(f"| all of them | | {o_med:.2f} | {o_min:.2f} | {t_med:.2f} | {t_min:.2f} | "
                 f"{o_med / t_med:.2f}x |")
     lines = [
-        "The forward products of the wider model's training step (batch 8, float32), each "
-        "timed alone, NumPy's `matmul` (the call graphopt's executor makes) against "
+        f"The forward products of the wider model's training step (batch {batch}, float32), "
+        "each timed alone, NumPy's `matmul` (the call graphopt's executor makes) against "
         "`torch.matmul`, each runtime in processes of its own (3 rounds, taking turns), "
         f"warm-up, {len(ours['times'])} timed calls each. Rows: the executor's shapes, the "
-        "attention products with the 8 query heads folded into the rows against the one K/V "
-        "head; PyTorch gets them as its model writes them, (8, 8, 128, K) against "
-        "(8, 1, K, N). Every backward product has the same size as one of these.",
+        f"attention products with the {cfg.heads} query heads folded into the rows against "
+        "the one K/V head; PyTorch gets them as its model writes them, "
+        f"({batch}, {cfg.heads}, {cfg.seq}, K) against ({batch}, 1, K, N). Each backward "
+        "product makes as many multiply-adds as one of these.",
         "",
         "| product | shape | NumPy median ms | min ms | PyTorch median ms | min ms | "
         "NumPy / PyTorch |",
@@ -294,7 +293,7 @@ def compare_products(runs: int, argv, write: bool) -> None:
         *rows,
         "",
         f"Machine: {machine()}; numpy {np.__version__} ({ours['blas'][0]}); PyTorch "
-        f"{theirs['threads'][0]} threads.",
+        f"{theirs['version'][0]} ({theirs['threads'][0]} threads).",
         f"Command: `{command_line('bench_training_vs_torch.py', argv)}` (this section is its "
         "second part)",
     ]
