@@ -14,12 +14,12 @@ def _uniform_weight(labels, weights, ignore_index):
 
 
 def _at_labels(scores, labels):
-    """NumPy: the (N, C, rest) view of ``scores`` and the index that picks, at every position
-    of the labels, its label's class: ``view[index]`` reads those elements, and writes them."""
-    n, classes = scores.shape[:2]
-    rest = scores.size // (n * classes) if scores.size else 0
-    index = (np.arange(n)[:, None], labels.reshape(n, rest), np.arange(rest)[None, :])
-    return scores.reshape(n, classes, rest), index
+    """NumPy: the index into ``scores`` (N, C, ...) that picks, at every position of the
+    labels (N, ...), its label's class: ``scores[index]`` reads those elements (shaped as the
+    labels) and writes them. It indexes ``scores`` itself, whatever its layout: a reshape
+    could be a copy (a transposed view), and writes through it would be lost."""
+    positions = np.indices(labels.shape, sparse=True)
+    return (positions[0], labels, *positions[1:])
 
 
 def _pick(xp, log_prob, safe):
@@ -27,8 +27,7 @@ def _pick(xp, log_prob, safe):
     if xp is not np:
         picked = xp.take_along_axis(log_prob, xp.expand_dims(safe.astype(np.int64), 1), axis=1)
         return xp.squeeze(picked, axis=1)
-    view, index = _at_labels(log_prob, safe)
-    return view[index].reshape(safe.shape)
+    return log_prob[_at_labels(log_prob, safe)]
 
 
 def _picked_weights(xp, labels, weights, ignore_index, dtype):
@@ -99,8 +98,7 @@ def softmax_cross_entropy_grad(xp, dy, log_prob, labels, weights, ignore_index, 
         if reduction == "mean":
             factor = factor / np.ones(labels.shape, log_prob.dtype).sum(dtype=log_prob.dtype)
         grad = exp_of_nonpositive(xp, log_prob, out)
-        view, index = _at_labels(grad, labels)
-        view[index] -= 1
+        grad[_at_labels(grad, labels)] -= 1
         grad *= factor
         return grad
     safe, w = _picked_weights(xp, labels, weights, ignore_index, log_prob.dtype)

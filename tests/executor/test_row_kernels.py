@@ -221,7 +221,7 @@ def _sce_reference(scores, labels, ignore_index=None):
 @pytest.mark.parametrize("shape,spread", [((6, 7, 5), 3.0), ((6, 7, 5), 400.0), ((9, 11), 3.0),
                                           ((4, 5, 3, 2), 3.0), ((6, 7, 5), np.inf)])
 @pytest.mark.parametrize("ignore", [None, 2])
-def test_softmax_cross_entropy_and_its_gradient(shape, spread, ignore):
+def test_softmax_cross_entropy_and_its_gradient(shape, spread, ignore, kernel_path):
     scores = RNG.standard_normal(shape).astype(np.float32)
     if np.isfinite(spread):
         scores[0] *= spread  # a slice far from the others
@@ -246,6 +246,32 @@ def test_softmax_cross_entropy_and_its_gradient(shape, spread, ignore):
     grad = loss.softmax_cross_entropy_loss_grad(
         ctx, _node("SoftmaxCrossEntropyLossGrad", **attrs), dy, log_prob, labels)
     assert grad.dtype == np.float32
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-7)
+
+
+# scores as views whose classes are not where a C-contiguous (N, C, ...) array has them: a
+# language model's logits (N, T, C) transposed to (N, C, T); (N, D2, D1, C) memory seen as
+# (N, C, D1, D2), where no reshape to (N, C, D1 * D2) is a view (the gradient's -1 at the
+# labels was once written into such a copy and lost)
+@pytest.mark.parametrize("memory_shape,perm", [((4, 6, 5), (0, 2, 1)),
+                                               ((2, 5, 3, 4), (0, 3, 2, 1)),
+                                               ((16, 64, 56), (0, 2, 1))])
+@pytest.mark.parametrize("ignore", [None, 1])
+def test_cross_entropy_over_transposed_scores(memory_shape, perm, ignore, kernel_path):
+    scores = (RNG.standard_normal(memory_shape) * 3).astype(np.float32).transpose(perm)
+    labels = RNG.integers(0, scores.shape[1], (scores.shape[0],) + scores.shape[2:])
+    if ignore is not None:
+        labels.reshape(-1)[::3] = ignore
+    attrs = {"reduction": "mean"} | ({} if ignore is None else {"ignore_index": ignore})
+    loss_value, log_prob = loss.softmax_cross_entropy_loss(
+        _ctx(), _node("SoftmaxCrossEntropyLoss", "", 13, **attrs), scores, labels)
+    want_loss, want_log_prob, want_grad = _sce_reference(scores, labels, ignore)
+    np.testing.assert_allclose(log_prob, want_log_prob, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(loss_value, want_loss, rtol=1e-5)
+    assert log_prob.strides == np.empty_like(scores).strides  # laid out as the scores
+    node = _node("SoftmaxCrossEntropyLossGrad", **attrs)
+    dy = np.array(1.0, np.float32)
+    grad = loss.softmax_cross_entropy_loss_grad(_ctx(), node, dy, log_prob, labels)
     np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-7)
 
 
