@@ -168,6 +168,24 @@ def log_softmax_classes(x, out):
 
 
 @numba.njit(fastmath=_SUMMING, **_OPTIONS)
+def log_softmax_rows(x, out):
+    """log_softmax of each row of the C-contiguous (rows, width) float32 ``x`` into ``out``
+    (not x): a cross-entropy's scores whose classes lie innermost in memory (the logits of a
+    language model, transposed to put the classes on axis 1). NaN where log_softmax_classes
+    gives it."""
+    rows, width = x.shape
+    keys = x.view(np.int32)
+    for i in range(rows):
+        peak = _row_peak(keys[i])
+        total = _ZERO
+        for j in range(width):
+            total += _exp_nonpositive(x[i, j] - peak)
+        shift = peak + np.log(total)
+        for j in range(width):
+            out[i, j] = x[i, j] - shift
+
+
+@numba.njit(fastmath=_SUMMING, **_OPTIONS)
 def softmax_grad_rows(dy, y, dx):
     """y * (dy - sum(y * dy)) row by row into ``dx`` (may be dy: each element of a row is read
     before it is written)."""

@@ -108,7 +108,7 @@ def softmax_cross_entropy_grad(xp, dy, log_prob, labels, weights, ignore_index, 
         w = w * dy.reshape(())
     else:
         w = w * dy
-    grad = xp.exp(log_prob)
+    grad = exp_of_nonpositive(xp, log_prob, out)
     classes = xp.arange(log_prob.shape[1]).reshape((1, -1) + (1,) * (log_prob.ndim - 2))
     grad -= xp.expand_dims(safe, 1) == classes
     grad *= xp.expand_dims(w, 1)
@@ -123,4 +123,6 @@ def softmax_cross_entropy_loss_grad(ctx, node, dy, log_prob, labels, weights=Non
               else ctx.host_scalar(ignore_index))
     return softmax_cross_entropy_grad(ctx.xp, dy, log_prob, labels, weights, ignore,
                                       node.attr("reduction"),
-                                      ctx.out_for(log_prob.shape, log_prob.dtype, log_prob))
+                                      # the result takes log_prob's layout either way
+                                      ctx.out_for(log_prob.shape, log_prob.dtype, log_prob,
+                                                  any_layout=True))

@@ -105,29 +105,60 @@ def _softmax_into(xp, x, axes, out):
 def log_softmax_over(xp, x, axes):
     ct = compute_dtype(x.dtype)
     data = x if ct == x.dtype else x.astype(ct)
-    if len(axes) == 1 and 0 < axes[0] < data.ndim - 1 and data.flags.c_contiguous:
-        compiled = compiled_kernels(xp, ct, data.size)
-        if compiled is not None:  # over an inner axis (a cross-entropy's classes): one pass
-            shape3 = (math.prod(data.shape[:axes[0]]), data.shape[axes[0]], -1)
-            out = xp.empty_like(data)
-            compiled.log_softmax_classes(data.reshape(shape3), out.reshape(shape3))
+    compiled = compiled_kernels(xp, ct, data.size) if len(axes) == 1 else None
+    if compiled is not None:
+        out = _compiled_log_softmax(xp, compiled, data, axes[0])
+        if out is not None:
             return out if ct == x.dtype else out.astype(x.dtype)
     out = data - max_over(xp, data, axes)
     out -= xp.log(sums_over(xp, exp_of_nonpositive(xp, out), axes))
     return out if ct == x.dtype else out.astype(x.dtype)
 
 
+def _compiled_log_softmax(xp, compiled, data, axis):
+    """log_softmax of ``data`` over ``axis`` in one pass a row, laid out as the NumPy passes
+    lay it out (as ``data``), or None for a layout the kernels do not take. Classes
+    innermost in memory (a transposed view of a language model's logits, a last axis): row
+    by row, in row blocks over threads when large; classes on a middle axis of a
+    C-contiguous array: along the positions."""
+    classes_last = xp.moveaxis(data, axis, -1)
+    rows = as_rows(classes_last, (data.ndim - 1,))
+    if rows is not None:
+        order, x2 = rows
+        out = empty_in_order(xp, classes_last.shape, order, data.dtype)
+        o2 = out.transpose(order).reshape(x2.shape)
+        run_rows(xp, lambda lo, hi: compiled.log_softmax_rows(x2[lo:hi], o2[lo:hi]),
+                 *x2.shape)
+        return xp.moveaxis(out, -1, axis)
+    if 0 < axis < data.ndim - 1 and data.flags.c_contiguous:
+        shape3 = (math.prod(data.shape[:axis]), data.shape[axis], -1)
+        out = xp.empty_like(data)
+        compiled.log_softmax_classes(data.reshape(shape3), out.reshape(shape3))
+        return out
+    return None
+
+
 def exp_of_nonpositive(xp, x, out=None):
     """``xp.exp(x, out=out)`` for x that is at most 0 by construction (scores less their
     maximum, log-probabilities): the compiled kernel's vectorised exp for NumPy float32 (it
-    checks the sign and leaves any other x to NumPy's exp)."""
+    checks the sign and leaves any other x to NumPy's exp). ``out`` has x's layout; so does
+    the result."""
     compiled = compiled_kernels(xp, x.dtype, x.size)
-    if compiled is not None and x.flags.c_contiguous:
-        result = xp.empty_like(x) if out is None else out
-        if result.flags.c_contiguous and compiled.exp_of_nonpositive(
-                x.reshape(-1), result.reshape(-1)):
+    order = memory_order(x) if compiled is not None else None
+    if order is not None:  # x dense in memory, in some order of its axes
+        result = xp.empty_like(x) if out is None else out  # empty_like: x's layout
+        flat = result.transpose(order)
+        if flat.flags.c_contiguous and compiled.exp_of_nonpositive(
+                x.transpose(order).reshape(-1), flat.reshape(-1)):
             return result
     return xp.exp(x, out=out)
+
+
+def memory_order(x):
+    """x's axes from the largest stride to the smallest when x's memory is dense in that
+    order (``x.transpose(order)`` is C-contiguous: a transposed view, say), else None."""
+    order = sorted(range(x.ndim), key=lambda a: -x.strides[a])
+    return order if x.transpose(order).flags.c_contiguous else None
 
 
 def _hardmax_over(xp, x, axes):

@@ -309,6 +309,48 @@ def test_log_softmax_over_the_class_axis_matches_float64_and_the_numpy_passes(mo
     assert got.reshape(flat.shape)[0, 2, 1] == -np.inf
 
 
+# classes innermost in memory: a last axis, and a language model's (N, T, C) logits seen as
+# (N, C, T): log_softmax_rows, the result laid out as the scores; the last shape is cut into
+# row blocks over threads
+@pytest.mark.parametrize("memory_shape,perm,axis", [((512, 56), (0, 1), 1),
+                                                    ((8, 128, 56), (0, 2, 1), 1),
+                                                    ((4, 9, 7, 33), (0, 1, 3, 2), 2),
+                                                    ((4, 700, 200), (0, 2, 1), 1)])
+def test_log_softmax_over_classes_innermost_in_memory(monkeypatch, memory_shape, perm, axis):
+    memory = (RNG.standard_normal(memory_shape) * 5).astype(np.float32)
+    rows = memory.reshape(-1, memory_shape[-1])
+    rows[0, 2] = -np.inf  # a class masked out
+    rows[1, :] = -np.inf  # a row with every class masked: NaN, as in NumPy
+    rows[2, 3] = np.nan
+    rows[3, 5] = np.inf  # NaN, as in NumPy (inf - inf)
+    scores = memory.transpose(perm)
+    x64 = scores.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        want = x64 - x64.max(axis=axis, keepdims=True)
+        want -= np.log(np.exp(want).sum(axis=axis, keepdims=True))
+        numpy_path = _numpy_path(monkeypatch, lambda: nn.log_softmax_over(np, scores, (axis,)))
+        got = nn.log_softmax_over(np, scores, (axis,))
+    assert got.dtype == np.float32 and got.strides == scores.strides
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(numpy_path))
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6, atol=2e-6)
+    np.testing.assert_allclose(got[finite], numpy_path[finite], rtol=1e-6, atol=2e-6)
+    assert got.transpose(np.argsort(perm)).reshape(rows.shape)[0, 2] == -np.inf
+
+
+def test_the_exp_of_log_probabilities_takes_their_layout():
+    log_prob = -np.abs(RNG.standard_normal((8, 128, 56))).astype(np.float32).transpose(0, 2, 1)
+    got = nn.exp_of_nonpositive(np, log_prob)
+    assert got.strides == log_prob.strides
+    # the compiled exp (that of a contiguous copy, bit for bit), not NumPy's
+    np.testing.assert_array_equal(got, nn.exp_of_nonpositive(np, log_prob.copy()))
+    np.testing.assert_allclose(got, np.exp(log_prob.astype(np.float64)), rtol=2.4e-7)
+    out = np.empty_like(log_prob)
+    assert nn.exp_of_nonpositive(np, log_prob, out) is out
+    np.testing.assert_array_equal(out, got)
+
+
 def test_a_numba_that_cannot_compile_here_leaves_the_numpy_passes(monkeypatch):
     def refuse():
         raise RuntimeError("cannot cache function 'softmax_rows': no locator available")

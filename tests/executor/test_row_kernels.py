@@ -273,6 +273,11 @@ def test_cross_entropy_over_transposed_scores(memory_shape, perm, ignore, kernel
     dy = np.array(1.0, np.float32)
     grad = loss.softmax_cross_entropy_loss_grad(_ctx(), node, dy, log_prob, labels)
     np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-7)
+    # a donated log_prob that is a view (as the compiled path's is) takes the gradient in place
+    donated = log_prob.copy(order="K")[...]
+    got = loss.softmax_cross_entropy_loss_grad(_ctx(donated), node, dy, donated, labels)
+    assert got is donated
+    np.testing.assert_array_equal(got, grad)
 
 
 def test_cross_entropy_gradient_writes_into_a_donated_log_prob():
