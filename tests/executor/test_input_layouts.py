@@ -1,0 +1,78 @@
+"""onnx's node test suite again, every input handed over in another memory layout.
+
+Kernels take shortcuts by layout: a view instead of a copy, a reshape that must be a view for
+a write through it to land. A shortcut taken for a layout it does not hold gives wrong values
+silently (the cross-entropy gradient once lost its -1 at the labels when its scores were a
+transposed view). Here each case of the node suite runs with the same input values laid out
+otherwise: arrays of rank 2 and more in Fortran order (every axis reversed in memory), or as a
+view taking every other element of a larger buffer (not dense); vectors as such a view. The
+expected outputs and tolerances are the suite's own.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import onnx.backend.test
+
+from graphopt.executor.onnx_backend import ExecutorBackend, ExecutorRep, _as_array
+
+from .test_onnx_backend import EXCLUDED, _claimed_case_names
+
+
+def relaid(array: Any, position: int) -> Any:
+    """``array``'s values in another layout: Fortran order (rank >= 2, even positions) or a
+    view of every other element of the last axis of a buffer twice as long."""
+    if not isinstance(array, np.ndarray) or array.ndim == 0 or array.dtype.kind not in "biufc":
+        return array
+    if array.ndim >= 2 and position % 2 == 0:
+        return np.asfortranarray(array)
+    shape = array.shape[:-1] + (2 * array.shape[-1],)
+    strided = np.zeros(shape, array.dtype)[..., ::2]
+    strided[...] = array
+    return strided
+
+
+class RelaidRep(ExecutorRep):
+    def run(self, inputs: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
+        if isinstance(inputs, dict):
+            inputs = {name: relaid(_as_array(value), position)
+                      for position, (name, value) in enumerate(inputs.items())}
+        else:
+            if not isinstance(inputs, (list, tuple)):
+                inputs = [inputs]
+            inputs = [relaid(_as_array(value), position)
+                      for position, value in enumerate(inputs)]
+        return super().run(inputs, **kwargs)
+
+
+class RelaidBackend(ExecutorBackend):
+    @classmethod
+    def prepare(cls, model, device: str = "CPU", **kwargs: Any) -> RelaidRep:
+        return RelaidRep(ExecutorBackend.prepare(model, device, **kwargs).session)
+
+
+def test_relaid_inputs_hold_the_same_values_in_other_layouts():
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    fortran, strided = relaid(x, 0), relaid(x, 1)
+    assert fortran.flags.f_contiguous and not fortran.flags.c_contiguous
+    assert not strided.flags.c_contiguous and not strided.flags.f_contiguous
+    np.testing.assert_array_equal(fortran, x)
+    np.testing.assert_array_equal(strided, x)
+    vector = relaid(np.arange(5), 0)
+    assert vector.strides == (16,)
+    np.testing.assert_array_equal(vector, np.arange(5))
+
+
+backend_test = onnx.backend.test.BackendTest(RelaidBackend, __name__)
+for _name in _claimed_case_names():
+    backend_test.include(rf"^{re.escape(_name)}_cpu$")
+for _pattern in EXCLUDED:
+    backend_test.exclude(_pattern)
+
+globals().update(
+    {name: case for name, case in backend_test.test_cases.items()
+     if name == "OnnxBackendNodeModelTest"}
+)
