@@ -16,23 +16,11 @@ from typing import Any
 
 import numpy as np
 import onnx.backend.test
+from support.layouts import relaid
 
 from graphopt.executor.onnx_backend import ExecutorBackend, ExecutorRep, _as_array
 
 from .test_onnx_backend import EXCLUDED, _claimed_case_names
-
-
-def relaid(array: Any, position: int) -> Any:
-    """``array``'s values in another layout: Fortran order (rank >= 2, even positions) or a
-    view of every other element of the last axis of a buffer twice as long."""
-    if not isinstance(array, np.ndarray) or array.ndim == 0 or array.dtype.kind not in "biufc":
-        return array
-    if array.ndim >= 2 and position % 2 == 0:
-        return np.asfortranarray(array)
-    shape = array.shape[:-1] + (2 * array.shape[-1],)
-    strided = np.zeros(shape, array.dtype)[..., ::2]
-    strided[...] = array
-    return strided
 
 
 class RelaidRep(ExecutorRep):

@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 from onnx import helper, numpy_helper
+from support.layouts import relaid
 
 from graphopt.ir import normalize_domain
 from graphopt.training import build_training_graph
@@ -41,12 +42,19 @@ def one_node_model(name: str):
     return model, outputs
 
 
+# "relaid": the weights and the output gradients fed in other memory layouts (Fortran
+# order, strided views; see support/layouts.py), so that every forward and gradient kernel
+# also runs on inputs that are not C-contiguous
+@pytest.mark.parametrize("layout", ["stored", "relaid"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_gradient_equals_pytorch_autograd(name):
+def test_gradient_equals_pytorch_autograd(name, layout):
     case = CASES[name]
     model, outputs = one_node_model(name)
     training = build_training_graph(model, loss="output")
     feeds = {f"{o}_grad": DATA[f"{name}/g/{i}"] for i, o in enumerate(outputs)}
+    if layout == "relaid":
+        feeds = {name_: relaid(value, position) for position, (name_, value) in enumerate(
+            {**{p: DATA[f"{name}/input/{p}"] for p in case["params"]}, **feeds}.items())}
     result = run_training(training, feeds)
     for i, o in enumerate(outputs):
         np.testing.assert_allclose(result[o], DATA[f"{name}/output/{i}"], rtol=1e-12,
