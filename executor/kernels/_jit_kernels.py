@@ -256,6 +256,19 @@ def layer_norm_grad_rows(dy, x, scale, mean, inv_std, dx, scale_sums, bias_sums)
             dx[i, j] = (dy[i, j] * scale[j] - dxhat_mean - xhat[j] * product_mean) * inverse
 
 
+@numba.njit(inline="always")
+def _gelu_of(v, p0, p1, p2, p3, p4, p5, q0, q1, q2, q3, q4, q5, z_max):
+    """v * Phi(v) with gelu_flat's rational (inlined into each kernel, under its flags)."""
+    z = v * v
+    z = z_max if z > z_max else z
+    numerator = ((((p5 * z + p4) * z + p3) * z + p2) * z + p1) * z + p0
+    denominator = ((((q5 * z + q4) * z + q3) * z + q2) * z + q1) * z + q0
+    cdf = numerator / denominator * v + _HALF
+    cdf = _ZERO if cdf < _ZERO else cdf
+    cdf = _ONE if cdf > _ONE else cdf
+    return cdf * v
+
+
 @numba.njit(fastmath=_ROUNDING, **_OPTIONS)
 def gelu_flat(x, out, p, q, z_max):
     """x * Phi(x) over a flat float32 block, Phi(x) = 0.5 + x * P(z) / Q(z), z = min(x^2,
@@ -264,15 +277,28 @@ def gelu_flat(x, out, p, q, z_max):
     p0, p1, p2, p3, p4, p5 = p[0], p[1], p[2], p[3], p[4], p[5]
     q0, q1, q2, q3, q4, q5 = q[0], q[1], q[2], q[3], q[4], q[5]
     for j in range(x.size):
-        v = x[j]
-        z = v * v
-        z = z_max if z > z_max else z
-        numerator = ((((p5 * z + p4) * z + p3) * z + p2) * z + p1) * z + p0
-        denominator = ((((q5 * z + q4) * z + q3) * z + q2) * z + q1) * z + q0
-        cdf = numerator / denominator * v + _HALF
-        cdf = _ZERO if cdf < _ZERO else cdf
-        cdf = _ONE if cdf > _ONE else cdf
-        out[j] = cdf * v
+        out[j] = _gelu_of(x[j], p0, p1, p2, p3, p4, p5, q0, q1, q2, q3, q4, q5, z_max)
+
+
+@numba.njit(fastmath=_ROUNDING, **_OPTIONS)
+def bias_gelu_rows(x, bias, out, p, q, z_max):
+    """gelu(x + bias) over the rows of the C-contiguous float32 (rows, D) ``x``, ``bias`` of
+    length D: gelu_flat of each sum, without the sum written out (com.microsoft BiasGelu)."""
+    p0, p1, p2, p3, p4, p5 = p[0], p[1], p[2], p[3], p[4], p[5]
+    q0, q1, q2, q3, q4, q5 = q[0], q[1], q[2], q[3], q[4], q[5]
+    rows, width = x.shape
+    for i in range(rows):
+        for j in range(width):
+            out[i, j] = _gelu_of(x[i, j] + bias[j], p0, p1, p2, p3, p4, p5,
+                                 q0, q1, q2, q3, q4, q5, z_max)
+
+
+@numba.njit(inline="always")
+def _gelu_grad_of(v, y, dy, log_inv_sqrt_2pi):
+    """dy * (Phi(v) + v * phi(v)), Phi(v) = y / v read off the forward's gelu(v)."""
+    z = v * _F(-0.5) * v
+    cdf = _HALF if z == _ZERO else y / v
+    return (cdf + _exp_nonpositive(z + log_inv_sqrt_2pi) * v) * dy
 
 
 @numba.njit(fastmath=_ROUNDING, **_OPTIONS)
@@ -281,7 +307,15 @@ def gelu_grad_from_output_flat(x, y, dy, out, log_inv_sqrt_2pi):
     the forward's ``y`` (0.5 where x^2 / 2 underflows to 0) and phi(x) = exp(-x^2 / 2 -
     log(sqrt(2 pi))): ``_util._gelu_grad_from_output_block`` in one pass."""
     for j in range(x.size):
-        v = x[j]
-        z = v * _F(-0.5) * v
-        cdf = _HALF if z == _ZERO else y[j] / v
-        out[j] = (cdf + _exp_nonpositive(z + log_inv_sqrt_2pi) * v) * dy[j]
+        out[j] = _gelu_grad_of(x[j], y[j], dy[j], log_inv_sqrt_2pi)
+
+
+@numba.njit(fastmath=_ROUNDING, **_OPTIONS)
+def bias_gelu_grad_from_output_rows(x, bias, y, dy, out, log_inv_sqrt_2pi):
+    """gelu_grad_from_output_flat at x + bias over the rows of the C-contiguous float32
+    (rows, D) arrays, ``bias`` of length D (com.microsoft BiasGeluGrad_dX read off the
+    forward's BiasGelu), the sum not written out."""
+    rows, width = x.shape
+    for i in range(rows):
+        for j in range(width):
+            out[i, j] = _gelu_grad_of(x[i, j] + bias[j], y[i, j], dy[i, j], log_inv_sqrt_2pi)

@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 
 from ._compiled import compiled_kernels
-from ._threads import run_blocks
+from ._threads import run_blocks, run_rows
 
 _SQRT_HALF = math.sqrt(0.5)
 
@@ -367,6 +367,51 @@ def gelu_exact_grad_from_output(dy, x, y):
         return _compiled_blockwise(compiled.gelu_grad_from_output_flat, x, y, dy,
                                    extra=(np.float32(_LOG_INV_SQRT_2PI),))
     return _blockwise(_gelu_grad_from_output_block, x, y, dy)
+
+
+def _compiled_bias_rows(kernel, x, bias, *also, extra=()):
+    """``kernel(x_rows, bias, *also_rows, out_rows, *extra)`` over row blocks of the float32
+    ``x`` seen as (rows, D), ``bias`` of length D, the arrays ``also`` of x's shape, the
+    blocks over threads as run_rows decides; the result has x's shape."""
+    width = x.shape[-1]
+    x2 = np.ascontiguousarray(x).reshape(-1, width)
+    also2 = [np.ascontiguousarray(a).reshape(-1, width) for a in also]
+    bias1 = np.ascontiguousarray(bias).reshape(width)
+    out = np.empty(x2.shape, x.dtype)
+    run_rows(np, lambda lo, hi: kernel(x2[lo:hi], bias1, *(a[lo:hi] for a in also2),
+                                       out[lo:hi], *extra), x2.shape[0], width)
+    return out.reshape(x.shape)
+
+
+def _bias_kernels(xp, x, bias, *also):
+    """The compiled kernels when ``x`` + ``bias`` is NumPy float32 with bias a vector along
+    x's last axis (BiasGelu's contract) and ``also`` float32 of x's shape, else None."""
+    arrays = (x, bias, *also)
+    if (xp is not np or not all(isinstance(a, np.ndarray) and a.dtype == np.float32
+                                for a in arrays)
+            or x.ndim == 0 or bias.shape != x.shape[-1:]
+            or any(a.shape != x.shape for a in also)):
+        return None
+    return compiled_kernels(xp, x.dtype, x.size)
+
+
+def bias_gelu_exact(xp, x, bias):
+    """gelu(x + bias), the sum not written out where the compiled kernels run (NumPy float32,
+    bias a vector along x's last axis); elsewhere gelu_exact of the sum."""
+    compiled = _bias_kernels(xp, x, bias)
+    if compiled is not None:
+        return _compiled_bias_rows(compiled.bias_gelu_rows, x, bias, extra=_GELU_COEFFICIENTS)
+    return None
+
+
+def bias_gelu_exact_grad_from_output(dy, x, bias, y):
+    """gelu_exact_grad_from_output at x + bias (the forward's BiasGelu output ``y``), the sum
+    not written out where the compiled kernels run; None elsewhere."""
+    compiled = _bias_kernels(np, x, bias, y, dy)
+    if compiled is not None:
+        return _compiled_bias_rows(compiled.bias_gelu_grad_from_output_rows, x, bias, y, dy,
+                                   extra=(np.float32(_LOG_INV_SQRT_2PI),))
+    return None
 
 
 _TANH_C = math.sqrt(2.0 / math.pi)

@@ -14,6 +14,7 @@ from ._compiled import compiled_kernels
 from ._scatter import check_bounds, scatter_rows
 from ._threads import rows_per_block, run_rows
 from ._util import (
+    bias_gelu_exact_grad_from_output,
     column_dots,
     column_sums,
     compute_dtype,
@@ -263,7 +264,8 @@ def fast_gelu_grad(ctx, node, dy, x):
 @_ms("BiasGeluGrad_dX", reads_also=_forward_gelu)
 def bias_gelu_grad_dx(ctx, node, dy, x, bias, gelu_x=None):
     if _from_forward(ctx, dy, x, gelu_x) and bias.dtype == np.float32:
-        return gelu_exact_grad_from_output(dy, x + bias, gelu_x)
+        fused = bias_gelu_exact_grad_from_output(dy, x, bias, gelu_x)  # compiled, one pass
+        return fused if fused is not None else gelu_exact_grad_from_output(dy, x + bias, gelu_x)
     return _with_dtype(lambda g, v, b: g * gelu_exact_grad(ctx.xp, v + b), dy, x, bias)
 
 

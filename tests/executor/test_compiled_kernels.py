@@ -223,6 +223,34 @@ def test_gelu_and_its_gradient_from_the_output_match_the_numpy_passes(monkeypatc
         np.testing.assert_array_equal(_util.gelu_exact(np, odd), numpy_odd)
 
 
+# BiasGelu and BiasGeluGrad_dX compiled: gelu(x + bias) and its gradient without the sum
+# written out, bit for bit the compiled GELU of the sum; x of several row blocks (threads), a
+# transposed x (a copy), rows of a width that is not a multiple of the vector width
+@pytest.mark.parametrize("shape,transposed", [((4, 700, 200), False), ((3, 37), False),
+                                              ((64, 96), True)])
+def test_bias_gelu_and_its_gradient_are_the_gelu_of_the_sum(monkeypatch, shape, transposed):
+    monkeypatch.setattr(_compiled, "MIN_ELEMENTS", 0)  # the small shape too
+    x = (RNG.standard_normal(shape) * 4).astype(np.float32)
+    if transposed:
+        x = np.ascontiguousarray(x.T).T
+    bias = RNG.standard_normal(shape[-1]).astype(np.float32)
+    dy = RNG.standard_normal(shape).astype(np.float32)
+    y = _util.bias_gelu_exact(np, x, bias)
+    summed = x + bias
+    np.testing.assert_array_equal(y, _util.gelu_exact(np, summed))
+    grad = _util.bias_gelu_exact_grad_from_output(dy, x, bias, y)
+    np.testing.assert_array_equal(grad, _util.gelu_exact_grad_from_output(dy, summed, y))
+    assert y.shape == grad.shape == shape
+
+
+def test_bias_gelu_takes_its_fused_kernels_only_for_a_bias_along_the_last_axis():
+    x = RNG.standard_normal((64, 96)).astype(np.float32)
+    for bias in (np.ones((1, 96), np.float32), np.ones(64, np.float32)[:, None],
+                 np.ones(96, np.float64)):
+        assert _util.bias_gelu_exact(np, x, bias) is None  # the kernel adds, then GELU
+        assert _util.bias_gelu_exact_grad_from_output(x, x, bias, x) is None
+
+
 def _session_of(op_type):
     from onnx import TensorProto, helper  # noqa: PLC0415
 
