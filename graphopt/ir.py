@@ -215,7 +215,9 @@ def _hide_declarations(graph: onnx.GraphProto) -> list:
 
 
 # com.microsoft ops whose one output has the type and shape of one of their inputs (its index)
-TYPE_OF_INPUT = {"Gelu": 0, "GeluGrad": 1, "FastGelu": 0, "FastGeluGrad": 1}
+# (BiasGelu's bias is a vector along its input's last axis, as ONNX Runtime requires)
+TYPE_OF_INPUT = {"Gelu": 0, "GeluGrad": 1, "FastGelu": 0, "FastGeluGrad": 1, "BiasGelu": 0,
+                 "BiasGeluGrad_dX": 1}
 
 
 @contextlib.contextmanager

@@ -24,6 +24,16 @@ def ms_gelu(ctx: GradientContext):
     return [ctx.ms("GeluGrad", ctx.dy, ctx.input(0))]
 
 
+@gradient("BiasGelu", domain=MS_DOMAIN)
+def ms_bias_gelu(ctx: GradientContext):
+    """gelu(x + bias): d/dx is the GELU derivative at x + bias (BiasGeluGrad_dX, which reads
+    it off the forward's output), d/dbias its sum over x's leading axes."""
+    x, bias = ctx.input(0), ctx.input(1)
+    grad = ctx.ms("BiasGeluGrad_dX", ctx.dy, x, bias)
+    y_shape = ctx.shape(ctx.output(0))
+    return [ctx.sum_to(grad, x, y_shape), ctx.sum_to(grad, bias, y_shape)]
+
+
 @gradient("FastGelu", domain=MS_DOMAIN)
 def ms_fast_gelu(ctx: GradientContext):
     if ctx.input(1):  # FastGelu(x, bias): what fast_gelu_fusion makes has no bias
