@@ -322,19 +322,27 @@ def test_log_softmax_over_the_class_axis_matches_float64_and_the_numpy_passes(mo
     flat[0, 2, 1] = -np.inf  # a class masked out
     flat[1, :, 0] = -np.inf  # a position with every class masked: NaN, as in NumPy
     flat[2, 3, 1] = np.nan
+    got = _checked_log_softmax(monkeypatch, scores, 1)
+    assert got.shape == scores.shape
+    assert got.reshape(flat.shape)[0, 2, 1] == -np.inf
+
+
+def _checked_log_softmax(monkeypatch, scores, axis):
+    """log_softmax of ``scores`` over ``axis``, checked against float64 and the NumPy passes
+    (NaN where they have it, the rest within float32 rounding); the result."""
     x64 = scores.astype(np.float64)
     with np.errstate(invalid="ignore"):
-        want = x64 - x64.max(axis=1, keepdims=True)
-        want -= np.log(np.exp(want).sum(axis=1, keepdims=True))
-        numpy_path = _numpy_path(monkeypatch, lambda: nn.log_softmax_over(np, scores, (1,)))
-        got = nn.log_softmax_over(np, scores, (1,))
-    assert got.dtype == np.float32 and got.shape == scores.shape
+        want = x64 - x64.max(axis=axis, keepdims=True)
+        want -= np.log(np.exp(want).sum(axis=axis, keepdims=True))
+        numpy_path = _numpy_path(monkeypatch, lambda: nn.log_softmax_over(np, scores, (axis,)))
+        got = nn.log_softmax_over(np, scores, (axis,))
+    assert got.dtype == np.float32
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_array_equal(np.isnan(got), np.isnan(numpy_path))
     finite = np.isfinite(want)
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6, atol=2e-6)
     np.testing.assert_allclose(got[finite], numpy_path[finite], rtol=1e-6, atol=2e-6)
-    assert got.reshape(flat.shape)[0, 2, 1] == -np.inf
+    return got
 
 
 # classes innermost in memory: a last axis, and a language model's (N, T, C) logits seen as
@@ -352,18 +360,8 @@ def test_log_softmax_over_classes_innermost_in_memory(monkeypatch, memory_shape,
     rows[2, 3] = np.nan
     rows[3, 5] = np.inf  # NaN, as in NumPy (inf - inf)
     scores = memory.transpose(perm)
-    x64 = scores.astype(np.float64)
-    with np.errstate(invalid="ignore"):
-        want = x64 - x64.max(axis=axis, keepdims=True)
-        want -= np.log(np.exp(want).sum(axis=axis, keepdims=True))
-        numpy_path = _numpy_path(monkeypatch, lambda: nn.log_softmax_over(np, scores, (axis,)))
-        got = nn.log_softmax_over(np, scores, (axis,))
-    assert got.dtype == np.float32 and got.strides == scores.strides
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(numpy_path))
-    finite = np.isfinite(want)
-    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6, atol=2e-6)
-    np.testing.assert_allclose(got[finite], numpy_path[finite], rtol=1e-6, atol=2e-6)
+    got = _checked_log_softmax(monkeypatch, scores, axis)
+    assert got.strides == scores.strides
     assert got.transpose(np.argsort(perm)).reshape(rows.shape)[0, 2] == -np.inf
 
 

@@ -11,16 +11,14 @@ expected outputs and tolerances are the suite's own.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import numpy as np
-import onnx.backend.test
 from support.layouts import relaid
 
 from graphopt.executor.onnx_backend import ExecutorBackend, ExecutorRep, _as_array
 
-from .test_onnx_backend import EXCLUDED, _claimed_case_names
+from .test_onnx_backend import node_suite
 
 
 class RelaidRep(ExecutorRep):
@@ -54,13 +52,4 @@ def test_relaid_inputs_hold_the_same_values_in_other_layouts():
     np.testing.assert_array_equal(vector, np.arange(5))
 
 
-backend_test = onnx.backend.test.BackendTest(RelaidBackend, __name__)
-for _name in _claimed_case_names():
-    backend_test.include(rf"^{re.escape(_name)}_cpu$")
-for _pattern in EXCLUDED:
-    backend_test.exclude(_pattern)
-
-globals().update(
-    {name: case for name, case in backend_test.test_cases.items()
-     if name == "OnnxBackendNodeModelTest"}
-)
+globals().update(node_suite(RelaidBackend, __name__))

@@ -48,17 +48,20 @@ def _claimed_case_names() -> list[str]:
     return names
 
 
-backend_test = onnx.backend.test.BackendTest(ExecutorBackend, __name__)
-for _name in _claimed_case_names():
-    backend_test.include(rf"^{re.escape(_name)}_cpu$")
-for _pattern in EXCLUDED:
-    backend_test.exclude(_pattern)
+def node_suite(backend, module_name: str) -> dict:
+    """onnx's node test cases that ``backend`` claims, less EXCLUDED, as the test class to
+    put in ``module_name``'s globals. Only the node tests: the model-zoo ("real") cases need
+    downloads."""
+    suite = onnx.backend.test.BackendTest(backend, module_name)
+    for name in _claimed_case_names():
+        suite.include(rf"^{re.escape(name)}_cpu$")
+    for pattern in EXCLUDED:
+        suite.exclude(pattern)
+    return {name: case for name, case in suite.test_cases.items()
+            if name == "OnnxBackendNodeModelTest"}
 
-# Only the node tests: the model-zoo ("real") cases need downloads.
-globals().update(
-    {name: case for name, case in backend_test.test_cases.items()
-     if name == "OnnxBackendNodeModelTest"}
-)
+
+globals().update(node_suite(ExecutorBackend, __name__))
 
 
 def test_exclusions_have_reasons():
