@@ -376,28 +376,27 @@ def _compiled_bias_rows(kernel, x, bias, *also, extra=()):
     width = x.shape[-1]
     x2 = np.ascontiguousarray(x).reshape(-1, width)
     also2 = [np.ascontiguousarray(a).reshape(-1, width) for a in also]
-    bias1 = np.ascontiguousarray(bias).reshape(width)
+    bias = np.ascontiguousarray(bias)
     out = np.empty(x2.shape, x.dtype)
-    run_rows(np, lambda lo, hi: kernel(x2[lo:hi], bias1, *(a[lo:hi] for a in also2),
+    run_rows(np, lambda lo, hi: kernel(x2[lo:hi], bias, *(a[lo:hi] for a in also2),
                                        out[lo:hi], *extra), x2.shape[0], width)
     return out.reshape(x.shape)
 
 
-def _bias_kernels(xp, x, bias, *also):
-    """The compiled kernels when ``x`` + ``bias`` is NumPy float32 with bias a vector along
-    x's last axis (BiasGelu's contract) and ``also`` float32 of x's shape, else None."""
-    arrays = (x, bias, *also)
+def _bias_kernels(xp, x, bias):
+    """The compiled kernels when ``x`` and ``bias`` are NumPy float32 with bias a vector along
+    x's last axis (BiasGelu's contract), else None."""
     if (xp is not np or not all(isinstance(a, np.ndarray) and a.dtype == np.float32
-                                for a in arrays)
-            or x.ndim == 0 or bias.shape != x.shape[-1:]
-            or any(a.shape != x.shape for a in also)):
+                                for a in (x, bias))
+            or x.ndim == 0 or bias.shape != x.shape[-1:]):
         return None
     return compiled_kernels(xp, x.dtype, x.size)
 
 
 def bias_gelu_exact(xp, x, bias):
-    """gelu(x + bias), the sum not written out where the compiled kernels run (NumPy float32,
-    bias a vector along x's last axis); elsewhere gelu_exact of the sum."""
+    """gelu(x + bias) in one pass, the sum not written out, where the compiled kernels run
+    (NumPy float32, bias a vector along x's last axis); None elsewhere (the caller then
+    takes gelu_exact of the sum)."""
     compiled = _bias_kernels(xp, x, bias)
     if compiled is not None:
         return _compiled_bias_rows(compiled.bias_gelu_rows, x, bias, extra=_GELU_COEFFICIENTS)
@@ -405,9 +404,10 @@ def bias_gelu_exact(xp, x, bias):
 
 
 def bias_gelu_exact_grad_from_output(dy, x, bias, y):
-    """gelu_exact_grad_from_output at x + bias (the forward's BiasGelu output ``y``), the sum
-    not written out where the compiled kernels run; None elsewhere."""
-    compiled = _bias_kernels(np, x, bias, y, dy)
+    """gelu_exact_grad_from_output at x + bias (``y``: the forward's BiasGelu output; ``dy``
+    and ``y`` float32 of x's shape, as for gelu_exact_grad_from_output), the sum not written
+    out, where the compiled kernels run; None elsewhere."""
+    compiled = _bias_kernels(np, x, bias)
     if compiled is not None:
         return _compiled_bias_rows(compiled.bias_gelu_grad_from_output_rows, x, bias, y, dy,
                                    extra=(np.float32(_LOG_INV_SQRT_2PI),))
