@@ -131,19 +131,19 @@ class BlasThreads:
         if lowered:
             _restore(lowered)
 
-    def small_matmul(self, a, b, flops: int):
+    def small_matmul(self, a, b, flops: int, out=None):
         """A product below SERIAL_FLOPS (``flops``: 2*M*N*K of one GEMM call): on one thread,
         or on BLAS's threads when it is a run's mid-size product and they keep up."""
         if self._holding and flops >= MID_FLOPS:
-            return self._mid_matmul(a, b)
-        return self.serial_matmul(a, b)
+            return self._mid_matmul(a, b, out)
+        return self.serial_matmul(a, b, out)
 
-    def _mid_matmul(self, a, b):
+    def _mid_matmul(self, a, b, out=None):
         shape = (a.shape, b.shape, a.dtype, b.dtype)
         best = self._best_serial.get(shape)
         if best is None or self._runs <= self._serial_until:
             start = _clock()
-            out = self.serial_matmul(a, b)
+            out = self.serial_matmul(a, b, out)
             elapsed = _clock() - start
             if best is None and len(self._best_serial) >= KEPT_SHAPES:
                 self._best_serial.clear()  # each shape learns its time again
@@ -152,7 +152,7 @@ class BlasThreads:
             return out
         self.restore()
         start = _clock()
-        out = _numpy_matmul(a, b)
+        out = _product(a, b, out)
         if _clock() - start > STALL_FACTOR * best:
             # the first threaded product after a quiet stretch waits for BLAS's sleeping
             # threads to wake: only a second stall in one run is taken for a busy machine
@@ -161,34 +161,39 @@ class BlasThreads:
                 self._serial_until = self._runs + BACKOFF_RUNS
         return out
 
-    def serial_matmul(self, a, b):
+    def serial_matmul(self, a, b, out=None):
         """``a @ b`` on one BLAS thread."""
         if self._lowered is None:
             self._lowered = _lower_to_one()
         if self._holding:
-            return _numpy_matmul(a, b)
+            return _product(a, b, out)
         try:
-            return _numpy_matmul(a, b)
+            return _product(a, b, out)
         finally:
             self.restore()
 
 
-def matmul(xp, a, b, blas: BlasThreads | None = None):
+def matmul(xp, a, b, blas: BlasThreads | None = None, out=None):
     """``xp.matmul(a, b)``, on one BLAS thread when each GEMM call BLAS sees (the product of
     the last two axes: NumPy loops over the leading ones) is below SERIAL_FLOPS. ``blas``
     (the running session's) keeps the count lowered between small products of one run;
-    without it the count is switched and restored around this product."""
+    without it the count is switched and restored around this product. ``out``: an array
+    of the product's shape and dtype to write it into (NumPy only)."""
     if xp is not np or a.ndim < 2 or b.ndim < 2:
         return xp.matmul(a, b)
     flops = 2 * a.shape[-2] * a.shape[-1] * b.shape[-1]  # of one GEMM call
     if flops >= SERIAL_FLOPS or not _blas_controllers():
         if blas is not None:
             blas.restore()
-        return _numpy_matmul(a, b)
+        return _product(a, b, out)
     if blas is None:
         with one_thread():
-            return _numpy_matmul(a, b)
-    return blas.small_matmul(a, b, flops)
+            return _product(a, b, out)
+    return blas.small_matmul(a, b, flops, out)
+
+
+def _product(a, b, out):
+    return _numpy_matmul(a, b) if out is None else _numpy_matmul(a, b, out=out)
 
 
 _numpy_matmul = np.matmul  # a name of this module, so a test can watch the calls

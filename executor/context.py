@@ -8,6 +8,7 @@ import numpy as np
 
 from .backend import ArrayBackend
 from .blas_threads import BlasThreads
+from .host_memory import SpareBlocks
 
 
 class KernelContext:
@@ -15,10 +16,12 @@ class KernelContext:
     the default Dropout mode for graphs that do not say; ``yield_feeds`` the caller-given
     gradients for YieldOp outputs during one run; ``donated`` the inputs of the running
     node that the kernel may overwrite (see ``out_for``); ``blas`` the BLAS thread count
-    that ``Session.run`` holds lowered between small products (blas_threads.BlasThreads)."""
+    that ``Session.run`` holds lowered between small products (blas_threads.BlasThreads);
+    ``spares`` the large arrays earlier steps and runs released (host_memory.SpareBlocks;
+    None on a GPU, where CuPy's memory pool does the same), handed out by ``large_out``."""
 
     __slots__ = ("backend", "xp", "numerics", "training", "yield_feeds", "donated", "blas",
-                 "_rng", "_node_rngs", "_host_constants", "_host_made")
+                 "spares", "_rng", "_node_rngs", "_host_constants", "_host_made")
 
     def __init__(self, backend: ArrayBackend, numerics: Any, training: bool, seed: int | None):
         self.backend = backend
@@ -28,6 +31,7 @@ class KernelContext:
         self.yield_feeds: dict[str, Any] = {}
         self.donated: tuple = ()
         self.blas = BlasThreads()
+        self.spares = SpareBlocks() if self.xp is np else None
         self._rng = np.random.default_rng(seed)
         self._node_rngs: dict[str, np.random.Generator] = {}
         # Host copies of small integer device arrays (shapes, axes): id -> (array, host copy).
@@ -53,6 +57,15 @@ class KernelContext:
                     and any(array is d for d in self.donated)):
                 return array
         return None
+
+    def large_out(self, shape, dtype):
+        """A spare C-contiguous array of ``shape`` and ``dtype`` for a kernel to write its
+        whole result into (``out=``), when the result is large enough for glibc to map it
+        afresh (host_memory.LARGE_BYTES); else None: the caller allocates as usual."""
+        spares = self.spares
+        if spares is None or not spares.nbytes:  # only large arrays are ever kept
+            return None
+        return spares.take(shape, dtype)
 
     def host_ints(self, array) -> list[int]:
         """Small integer tensors (shapes, axes, starts) as Python ints."""

@@ -23,7 +23,7 @@ def matmul(ctx, a, b, op: str = "gemm"):
             and (a.dtype != np.float16 or b.dtype != np.float16)):
         ctx.blas.restore()  # the policy's own products see BLAS's own thread count
         return numerics.matmul(a, b, op=op)
-    return plain_matmul(ctx.xp, a, b, ctx.blas)
+    return plain_matmul(ctx.xp, a, b, ctx.blas, ctx.large_out)
 
 
 def _merged(x, first: int):
@@ -34,14 +34,28 @@ def _merged(x, first: int):
     return x.reshape(x.shape[:first] + (-1,) + x.shape[first + 2:])
 
 
-def plain_matmul(xp, a, b, blas: _blas_threads.BlasThreads | None = None):
+def _no_buffer(shape, dtype):
+    return None
+
+
+def _product_into(xp, a, b, blas, out, shape):
+    """``a @ b`` written into ``out`` (an array of ``shape``) seen as the product's shape."""
+    return _blas_threads.matmul(xp, a, b, blas, None if out is None else out.reshape(shape))
+
+
+def plain_matmul(xp, a, b, blas: _blas_threads.BlasThreads | None = None, large_out=None):
     """``xp.matmul(a, b)`` done as few, large GEMMs as the operands' layouts allow: BLAS
     threads and blocks far better on one (H*M, K) x (K, N) product than on H small ones.
-    ``blas``: the running session's BLAS thread count (see blas_threads.matmul)."""
+    ``blas``: the running session's BLAS thread count (see blas_threads.matmul).
+    ``large_out(shape, dtype)``: a spare array for a large result, or None
+    (KernelContext.large_out); the result is laid out as in an array of its own."""
+    spare = large_out if large_out is not None and a.dtype == b.dtype else _no_buffer
     if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous:
         # One large GEMM instead of one per leading index.
-        return _blas_threads.matmul(xp, a.reshape(-1, a.shape[-1]), b, blas).reshape(
-            a.shape[:-1] + (b.shape[1],))
+        shape = a.shape[:-1] + (b.shape[1],)
+        out = spare(shape, a.dtype)
+        flat = _product_into(xp, a.reshape(-1, a.shape[-1]), b, blas, out, (-1, b.shape[1]))
+        return flat.reshape(shape) if out is None else out
     if (a.ndim >= 3 and b.ndim == a.ndim and b.shape[-3] == 1 and a.shape[-3] > 1
             and b.shape[:-3] == a.shape[:-3]):
         # b shared across axis -3 (multi-query attention: one K/V head for every query
@@ -51,7 +65,9 @@ def plain_matmul(xp, a, b, blas: _blas_threads.BlasThreads | None = None):
         b3 = b.reshape(b.shape[:-3] + b.shape[-2:])
         folded = _merged(a, a.ndim - 3)  # (..., H*M, K) in place
         if folded is not None:
-            return _blas_threads.matmul(xp, folded, b3, blas).reshape(a.shape[:-1] + (n,))
+            out = spare(a.shape[:-1] + (n,), a.dtype)
+            y = _product_into(xp, folded, b3, blas, out, folded.shape[:-1] + (n,))
+            return y.reshape(a.shape[:-1] + (n,)) if out is None else out
         # (..., M, H, K): a row-major view or one copy; the result is then laid out
         # (..., M, H, N) and returned as the (..., H, M, N) view of it, which is the layout
         # a following transpose back to (..., M, H, N) wants
@@ -60,6 +76,16 @@ def plain_matmul(xp, a, b, blas: _blas_threads.BlasThreads | None = None):
         if folded is None:
             folded = xp.ascontiguousarray(swapped).reshape(
                 a.shape[:-3] + (rows * heads, a.shape[-1]))
-        out = _blas_threads.matmul(xp, folded, b3, blas).reshape(a.shape[:-3] + (rows, heads, n))
-        return out.swapaxes(-3, -2)
-    return _blas_threads.matmul(xp, a, b, blas)
+        shape = a.shape[:-3] + (rows, heads, n)
+        out = spare(shape, a.dtype)
+        y = _product_into(xp, folded, b3, blas, out, folded.shape[:-1] + (n,))
+        return (y.reshape(shape) if out is None else out).swapaxes(-3, -2)
+    out = None
+    if spare is not _no_buffer and a.ndim >= 2 and b.ndim >= 2:
+        try:
+            batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        except ValueError:  # matmul says what is wrong with the shapes
+            batch = None
+        if batch is not None and a.shape[-1] == b.shape[-2]:
+            out = spare(batch + (a.shape[-2], b.shape[-1]), a.dtype)
+    return _blas_threads.matmul(xp, a, b, blas, out)

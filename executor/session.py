@@ -270,8 +270,9 @@ class Session:
         # refuse what cannot fit before any node runs
         peak = self._memory.check_run(plan, checked)
         donate = self.backend.xp is np  # CuPy arrays: reference counts do not tell ownership
+        kept_bytes = None if peak is None else peak - self._memory.resident
         if donate:  # the next run needs the memory this one frees: keep it (host_memory.py)
-            keep_freed(None if peak is None else peak - self._memory.resident)
+            keep_freed(kept_bytes)
         values: list[Any] = [None] * plan.num_slots
         for name, slot in plan.slot_of.items():
             if plan.last_use[name] >= 0 or name in plan.fetches:
@@ -284,6 +285,8 @@ class Session:
         numerics = self.numerics
         names_by_slot = plan.names_by_slot if observer is not None else None
         blas = ctx.blas
+        spares = ctx.spares  # large arrays a later step or run may write into (host_memory)
+        donations: list = []
         blas.hold()  # small products keep BLAS on one thread until a large one or the end
         try:
             for index, step in enumerate(plan.steps):
@@ -291,6 +294,7 @@ class Session:
                 also = {k: values[s] for k, s in step.also} if step.also else _NOTHING_ELSE
                 if step.donatable and donate:
                     ctx.donated = _donations(step, args, values)
+                    donations = list(ctx.donated)
                 try:
                     # only GEMM-class products consult the policy (its node name and
                     # BackwardPassGuard): every other node is called directly
@@ -309,14 +313,27 @@ class Session:
                     on_step(index, step.node,
                             tuple(result) if isinstance(result, (tuple, list)) else (result,))
                 result = args = also = None  # hold no reference a later donation check would see
-                for slot in step.release:
-                    values[slot] = None
+                if spares is None:
+                    for slot in step.release:
+                        values[slot] = None
+                else:
+                    # each offered array is referenced by ``value`` alone unless something
+                    # else (a fetch, a hook, a live view, the kernel's result) still holds it
+                    for slot in step.release:
+                        value, values[slot] = values[slot], None
+                        spares.offer(value)
+                    while donations:  # donated inputs the kernel did not write into
+                        value = donations.pop()
+                        spares.offer(value)
+                    value = None
                 if observer is not None:
                     blas.restore()
                     live = [names_by_slot[s] for s, v in enumerate(values) if v is not None]
                     observer(index, step.node.name, live)
         finally:
             blas.release()
+            if spares is not None:
+                spares.end_run(kept_bytes)
             ctx.yield_feeds = {}
             ctx.donated = ()
             ctx.forget_made()
