@@ -8,7 +8,7 @@ import numpy as np
 
 from .backend import ArrayBackend
 from .blas_threads import BlasThreads
-from .host_memory import SpareBlocks
+from .host_memory import SpareBlocks, keeps_memory
 
 
 class KernelContext:
@@ -18,7 +18,8 @@ class KernelContext:
     node that the kernel may overwrite (see ``out_for``); ``blas`` the BLAS thread count
     that ``Session.run`` holds lowered between small products (blas_threads.BlasThreads);
     ``spares`` the large arrays earlier steps and runs released (host_memory.SpareBlocks;
-    None on a GPU, where CuPy's memory pool does the same), handed out by ``large_out``."""
+    None on a GPU, where CuPy's memory pool does the same, and where the environment says
+    ``GRAPHOPT_KEEP_HOST_MEMORY=0``), handed out by ``large_out``."""
 
     __slots__ = ("backend", "xp", "numerics", "training", "yield_feeds", "donated", "blas",
                  "spares", "_rng", "_node_rngs", "_host_constants", "_host_made")
@@ -31,7 +32,7 @@ class KernelContext:
         self.yield_feeds: dict[str, Any] = {}
         self.donated: tuple = ()
         self.blas = BlasThreads()
-        self.spares = SpareBlocks() if self.xp is np else None
+        self.spares = SpareBlocks() if self.xp is np and keeps_memory() else None
         self._rng = np.random.default_rng(seed)
         self._node_rngs: dict[str, np.random.Generator] = {}
         # Host copies of small integer device arrays (shapes, axes): id -> (array, host copy).

@@ -23,6 +23,7 @@ Blocks of 32 MiB and more glibc maps afresh whatever its settings: each run pays
 themselves once a run no longer needs them, for a later step or run that makes an array of
 the same shape and dtype (the attention scores of the MQA block: 32 MiB at batch 8, seq 256,
 16 heads; 0.9 ms of its 4.4 ms product went to the fresh mapping).
+``GRAPHOPT_KEEP_HOST_MEMORY=0`` turns this off too.
 """
 
 from __future__ import annotations
@@ -73,8 +74,14 @@ def kept_bytes() -> int:
     return _malloc.kept
 
 
+def keeps_memory() -> bool:
+    """False when the environment says ``GRAPHOPT_KEEP_HOST_MEMORY=0`` (or off, false, no):
+    then glibc keeps its own settings and sessions keep no spare arrays."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
 def _find_mallopt():
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "off", "false", "no"):
+    if not keeps_memory():
         return None
     if any(os.environ.get(name) for name in _USER_SETTINGS):
         return None

@@ -263,3 +263,14 @@ def test_the_mqa_attention_scores_are_written_into_last_runs_scores(monkeypatch)
                                    rtol=1e-5, atol=1e-6)
         assert session._ctx.spares.nbytes == b * h * s * s * 4
     assert addresses[0] == _product_addresses(session, feeds, 1)[0]
+
+
+def test_keep_host_memory_off_keeps_no_spares(monkeypatch):
+    monkeypatch.setenv(host_memory.ENV, "0")
+    model, w = _product_then_sum()
+    session = Session(model, device="cpu")
+    feeds = _feeds(0)
+    for _ in range(2):
+        np.testing.assert_array_equal(session.run(feeds)["s"],
+                                      (feeds["x"] @ w).sum(dtype=np.float32))
+    assert session._ctx.spares is None
