@@ -33,7 +33,9 @@ OP_TYPES = frozenset({
     "Softmax", "LogSoftmax", "LayerNormalization", "Gelu", "BiasGelu", "SoftmaxGrad",
     "SoftmaxGrad_13", "LayerNormalizationGrad", "GeluGrad", "BiasGeluGrad_dX",
     "SoftmaxCrossEntropyLoss", "SoftmaxCrossEntropyLossInternal",
-    "SoftmaxCrossEntropyLossGrad", "SoftmaxCrossEntropyLossInternalGrad"})
+    "SoftmaxCrossEntropyLossGrad", "SoftmaxCrossEntropyLossInternalGrad",
+    # their float32 scatter-add (an embedding's gradient)
+    "GatherGrad", "ScatterND", "ScatterElements", "ATen"})
 
 _module = None
 _unavailable: str | None = None

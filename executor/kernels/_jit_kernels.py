@@ -319,3 +319,24 @@ def bias_gelu_grad_from_output_rows(x, bias, y, dy, out, log_inv_sqrt_2pi):
     for i in range(rows):
         for j in range(width):
             out[i, j] = _gelu_grad_of(x[i, j] + bias[j], y[i, j], dy[i, j], log_inv_sqrt_2pi)
+
+
+@numba.njit(**_OPTIONS)
+def scatter_add_rows(out, rows, updates):
+    """``out[rows[i]] += updates[i]`` for i in order: ``np.add.at``'s loop, so its bits (each
+    element's additions in update order; no fast-math, whose reassociation would change
+    them). ``out``: C-contiguous (R, C) float32; ``rows``: (n,) int64, a negative one
+    counting from the end as in NumPy; ``updates``: C-contiguous (n, C) float32. Returns -1,
+    or the position of the first row outside [-R, R), before any update is made (NumPy's
+    add.at raises there, leaving ``out`` as it was too)."""
+    limit = out.shape[0]
+    for i in range(rows.size):
+        if rows[i] < -limit or rows[i] >= limit:
+            return i
+    for i in range(rows.size):
+        row = rows[i]
+        target = out[row + limit if row < 0 else row]
+        source = updates[i]
+        for j in range(target.size):
+            target[j] += source[j]
+    return -1

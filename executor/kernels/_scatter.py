@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._compiled import compiled_kernels
+
 REDUCTIONS = {"add": "add", "mul": "multiply", "max": "maximum", "min": "minimum"}
 # what one round costs on NumPy, in elements ufunc.at would update in the same time
 _AT_ELEMENTS_PER_ROUND = 200
@@ -42,6 +44,8 @@ def scatter_rows(ctx, out2d, rows, updates2d, reduction: str) -> None:
     ufunc = getattr(xp, REDUCTIONS[reduction])
     n = int(rows.shape[0])
     width = updates2d.shape[1] if updates2d.ndim == 2 else 1
+    if reduction == "add" and _compiled_add(xp, out2d, rows, updates2d):
+        return
     if xp is np and not _rounds_may_pay(n, width, 2):
         ufunc.at(out2d, rows, updates2d)  # NumPy's own sequential loop: the reference order
         return
@@ -93,6 +97,24 @@ def _contiguous_rounds(out2d, updates2d, ufunc, order, sorted_rows, group_start,
         ufunc(acc[:count], laid_out[start:start + count], out=acc[:count])
         start += count
     out2d[targets] = acc
+
+
+def _compiled_add(xp, out2d, rows, updates2d) -> bool:
+    """float32 ``add`` in the compiled loop of ``np.add.at`` (the same bits, 5-10x faster than
+    the rounds on an embedding gradient), when the arrays allow it; False: not done."""
+    if (updates2d.ndim != 2 or out2d.ndim != 2 or out2d.dtype != np.float32
+            or updates2d.dtype != np.float32 or rows.dtype != np.int64
+            or not out2d.flags.c_contiguous or not updates2d.flags.c_contiguous
+            or not out2d.flags.writeable):
+        return False
+    compiled = compiled_kernels(xp, out2d.dtype, updates2d.size)
+    if compiled is None:
+        return False
+    bad = compiled.scatter_add_rows(out2d, rows, updates2d)
+    if bad >= 0:  # as NumPy says it
+        raise IndexError(f"index {int(rows[bad])} is out of bounds for axis 0 with size "
+                         f"{out2d.shape[0]}")
+    return True
 
 
 def _rounds_may_pay(n: int, width: int, rounds: int) -> bool:

@@ -53,3 +53,54 @@ def test_skewed_rows_keep_ufunc_at_bits(reduction):
     got = base.copy()
     _scatter.scatter_rows(_ctx(), got, rows, updates, reduction)
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+@pytest.fixture(params=["compiled", "numpy passes"])
+def float32_add_path(request, monkeypatch):
+    """float32 add scatters run numba's loop of np.add.at when it loads, the rounds or
+    ufunc.at otherwise: both must give ufunc.at's bits."""
+    from graphopt.executor.kernels import _compiled
+
+    if request.param == "compiled":
+        if _compiled.compiled_kernels(np, np.dtype(np.float32), 1 << 20) is None:
+            pytest.skip("numba's compiled kernels are not available here")
+    else:
+        monkeypatch.setenv(_compiled.ENV_SWITCH, "0")
+    return request.param
+
+
+@pytest.mark.parametrize("rows_out,n,width", [(56, 1024, 64), (56, 1024, 256), (5, 4096, 3),
+                                              (300, 40, 512)])
+def test_float32_add_is_bitwise_add_at_either_way(float32_add_path, rows_out, n, width):
+    rng = np.random.default_rng(7)
+    rows = rng.integers(0, rows_out, size=n)
+    updates = (rng.standard_normal((n, width)) * 3).astype(np.float32)
+    updates[::7] = -0.0
+    base = rng.standard_normal((rows_out, width)).astype(np.float32)
+    want = base.copy()
+    np.add.at(want, rows, updates)
+    got = base.copy()
+    _scatter.scatter_rows(_ctx(), got, rows, updates, "add")
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_float32_add_out_of_range_raises_as_numpy_and_writes_nothing(float32_add_path):
+    rows = np.arange(4096, dtype=np.int64) % 56
+    rows[3000] = 56
+    updates = np.ones((4096, 8), np.float32)
+    out = np.zeros((56, 8), np.float32)
+    with pytest.raises(IndexError, match="index 56 is out of bounds for axis 0 with size 56"):
+        _scatter.scatter_rows(_ctx(), out, rows, updates, "add")
+    assert not out.any()
+
+
+def test_float32_add_of_strided_updates_keeps_add_at_bits(float32_add_path):
+    rng = np.random.default_rng(8)
+    rows = rng.integers(0, 56, size=2048)
+    updates = rng.standard_normal((2048, 128)).astype(np.float32)[:, ::2]  # not contiguous
+    base = rng.standard_normal((56, 64)).astype(np.float32)
+    want = base.copy()
+    np.add.at(want, rows, updates)
+    got = base.copy()
+    _scatter.scatter_rows(_ctx(), got, rows, updates, "add")
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
