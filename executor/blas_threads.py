@@ -21,11 +21,18 @@ Mid-size products (MID_FLOPS to SERIAL_FLOPS: the projections of a small model's
 step) gain from BLAS's threads on a quiet machine (on 2 cores the `--example mqa` training
 step was 12-15% faster with every product threaded, about 5% with this adaptation) and lose
 badly on a busy one (with a CPU hog beside it, 1.9x as slow with every product threaded).
-So within a session they adapt: each shape first runs on one thread, and its best time there
-is kept; from then on it runs on BLAS's threads, and when two threaded products of one run
-take STALL_FACTOR times their best serial time (BLAS's worker was not running), mid-size
-products go back to one thread for BACKOFF_RUNS runs, then try again. On a busy machine that
-costs two slow products every BACKOFF_RUNS runs.
+And a quiet machine does not always gain either: threaded, half of a small product's result
+is written from the other core's cache, where its worker then spins, and the kernels that
+follow pay for that.
+On a 2-core AVX-512 machine the `--example mqa` step's products took 0.99 ms threaded against
+1.14 on one thread, yet the step 2.58 ms against 2.43: the kernels after them (LayerNorm's
+gradient, Sum, the GELU and its gradient) took 0.28 ms more. So within a session mid-size
+products adapt by whole runs: the runs of one plan and feed shapes first make their mid-size
+products on one thread SAMPLES times, then on BLAS's threads SAMPLES times, and from then on
+the way whose fastest run was faster (the times keep being taken). When two threaded
+products of one run take STALL_FACTOR times their shape's best serial time (BLAS's worker
+was not running), mid-size products go back to one thread for BACKOFF_RUNS runs, then try
+again. On a busy machine that costs two slow products every BACKOFF_RUNS runs.
 """
 
 from __future__ import annotations
@@ -38,9 +45,10 @@ import numpy as np
 SERIAL_FLOPS = 1 << 26  # 2*M*N*K of one GEMM call below this: one BLAS thread (~1 ms)
 # 2*M*N*K from here to SERIAL_FLOPS: within a run, BLAS's own threads while they keep up
 MID_FLOPS = 1 << 22
+SAMPLES = 3  # runs timed with mid-size products on one thread, then on BLAS's, before choosing
 STALL_FACTOR = 3.0  # a threaded product this much slower than its best on one thread
 BACKOFF_RUNS = 16  # runs whose mid-size products go back to one thread after a stall
-KEPT_SHAPES = 1024  # best serial times kept (dynamic shapes make new ones): then forgotten
+KEPT_SHAPES = 1024  # shapes and runs whose times are kept (dynamic shapes make new ones)
 
 _controllers: list | None = None
 
@@ -104,9 +112,13 @@ class BlasThreads:
     Between ``hold()`` and ``release()`` (``Session.run`` calls the latter in its
     ``finally``) a count lowered for a small product stays lowered until ``restore()``: a
     large product, a caller's hook or the end of the run. Outside them every small product
-    restores the count right after itself."""
+    restores the count right after itself. ``hold(key)`` names what the run computes (the
+    session's plan and its feeds' shapes): runs of one key learn whether their mid-size
+    products are faster on one thread or on BLAS's, ``run_completed()`` giving each run's
+    time."""
 
-    __slots__ = ("_lowered", "_holding", "_runs", "_serial_until", "_best_serial", "_stalls")
+    __slots__ = ("_lowered", "_holding", "_runs", "_serial_until", "_best_serial", "_stalls",
+                 "_run_times", "_run_key", "_run_start", "_mid_threaded", "_mid_products")
 
     def __init__(self):
         self._lowered: list | None = None  # (controller, count) pairs while lowered
@@ -115,11 +127,44 @@ class BlasThreads:
         self._serial_until = 0  # mid-size products on one thread until this run (a stall)
         self._best_serial: dict[tuple, float] = {}  # a mid-size shape's best serial seconds
         self._stalls = 0  # threaded mid-size products of this run that stalled
+        # a run's key -> [best run seconds with its mid-size products on one thread, such
+        # runs, best with them on BLAS's threads, such runs]
+        self._run_times: dict = {}
+        self._run_key = None
+        self._run_start = 0.0
+        self._mid_threaded = False  # this run's mid-size products on BLAS's threads
+        self._mid_products = 0  # mid-size products this run made
 
-    def hold(self) -> None:
+    def hold(self, key=None) -> None:
         self._holding = True
         self._runs += 1
         self._stalls = 0
+        self._mid_products = 0
+        self._run_key = key
+        times = self._run_times.get(key) if key is not None else None
+        if times is None or self._runs <= self._serial_until or times[1] < SAMPLES:
+            self._mid_threaded = False
+        elif times[3] < SAMPLES:
+            self._mid_threaded = True
+        else:
+            self._mid_threaded = times[2] < times[0]
+        self._run_start = _clock()
+
+    def run_completed(self) -> None:
+        """The held run finished without error: its time counts for its key, if it made
+        mid-size products (without them both ways are the same run)."""
+        key = self._run_key
+        if key is None or not self._mid_products:
+            return
+        elapsed = _clock() - self._run_start
+        times = self._run_times.get(key)
+        if times is None:
+            if len(self._run_times) >= KEPT_SHAPES:
+                self._run_times.clear()  # each key learns its times again
+            times = self._run_times[key] = [_NEVER, 0, _NEVER, 0]
+        at = 2 if self._mid_threaded else 0
+        times[at] = min(times[at], elapsed)
+        times[at + 1] += 1
 
     def release(self) -> None:
         self._holding = False
@@ -139,9 +184,10 @@ class BlasThreads:
         return self.serial_matmul(a, b, out)
 
     def _mid_matmul(self, a, b, out=None):
+        self._mid_products += 1
         shape = (a.shape, b.shape, a.dtype, b.dtype)
         best = self._best_serial.get(shape)
-        if best is None or self._runs <= self._serial_until:
+        if not self._mid_threaded or best is None:
             start = _clock()
             out = self.serial_matmul(a, b, out)
             elapsed = _clock() - start
@@ -190,6 +236,9 @@ def matmul(xp, a, b, blas: BlasThreads | None = None, out=None):
         with one_thread():
             return _product(a, b, out)
     return blas.small_matmul(a, b, flops, out)
+
+
+_NEVER = float("inf")  # the best time of a shape not yet timed that way
 
 
 def _product(a, b, out):

@@ -287,7 +287,9 @@ class Session:
         blas = ctx.blas
         spares = ctx.spares  # large arrays a later step or run may write into (host_memory)
         donations: list = []
-        blas.hold()  # small products keep BLAS on one thread until a large one or the end
+        # small products keep BLAS on one thread until a large one or the end; runs of one
+        # plan and feed shapes learn where their mid-size products run faster (blas_threads)
+        blas.hold((id(plan),) + tuple(getattr(v, "shape", None) for v in checked.values()))
         try:
             for index, step in enumerate(plan.steps):
                 args = [values[s] if s >= 0 else None for s in step.in_slots]
@@ -330,6 +332,7 @@ class Session:
                     blas.restore()
                     live = [names_by_slot[s] for s, v in enumerate(values) if v is not None]
                     observer(index, step.node.name, live)
+            blas.run_completed()
         finally:
             blas.release()
             if spares is not None:

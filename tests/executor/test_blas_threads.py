@@ -216,44 +216,96 @@ def _mid_runs(runs):
         session.run(feeds)
 
 
-def test_mid_size_products_run_threaded_once_their_serial_time_is_known(
+def _learning(runs, then):
+    """The thread counts of ``runs`` runs of the two mid-size products: SAMPLES runs on one
+    thread, SAMPLES on two, then ``then`` (1 or 2) for both products of every run."""
+    samples = blas_threads.SAMPLES
+    seen = [1, 1] * samples + [2, 2] * samples
+    return (seen + [then, then] * runs)[:2 * runs]
+
+
+def test_mid_size_products_run_threaded_where_the_runs_are_faster_so(
         blas_on_two_threads, monkeypatch):
     seen = _timed_products(monkeypatch, serial_s=1.0, threaded_s=[0.6])
-    _mid_runs(2)
-    # the shape's first product on one thread (its serial time), then on BLAS's two
-    assert seen == [1, 2, 2, 2]
+    _mid_runs(9)
+    assert seen == _learning(9, then=2)
     assert _blas_threads_now() == 2
+
+
+def test_mid_size_products_stay_on_one_thread_where_the_runs_are_slower_threaded(
+        blas_on_two_threads, monkeypatch):
+    # 1.5x the serial time on two threads: slower, though not a stall
+    seen = _timed_products(monkeypatch, serial_s=1.0, threaded_s=[1.5])
+    _mid_runs(9)
+    assert seen == _learning(9, then=1)
+    assert _blas_threads_now() == 2
+
+
+def test_the_choice_follows_the_fastest_runs_not_the_first(blas_on_two_threads, monkeypatch):
+    # the first threaded product waits for BLAS's threads to wake; the next ones are fast
+    seen = _timed_products(monkeypatch, serial_s=1.0, threaded_s=[2.5, 0.6])
+    _mid_runs(9)
+    assert seen == _learning(9, then=2)
+
+
+def test_each_plan_and_feed_shape_learns_on_its_own(blas_on_two_threads, monkeypatch):
+    seen = _timed_products(monkeypatch, serial_s=1.0, threaded_s=[0.6])
+    session = Session(_chain_model(MID), device="cpu")
+    for _ in range(2 * blas_threads.SAMPLES):
+        session.run(_chain_feeds(512, MID))
+    del seen[:]
+    session.run(_chain_feeds(512, MID))
+    session.run(_chain_feeds(520, MID))  # new shapes: on one thread first again
+    assert seen == [2, 2, 1, 1]
+
+
+def test_a_failed_run_is_not_timed(blas_on_two_threads):
+    blas = blas_threads.BlasThreads()
+    blas.hold("key")
+    blas._mid_products = 1  # as a mid-size product would
+    blas.release()  # the run raised: run_completed was not called
+    assert blas._run_times == {}
+    blas.hold("key")
+    blas._mid_products = 1
+    blas.run_completed()
+    blas.release()
+    assert blas._run_times["key"][1] == 1
 
 
 def test_stalled_threaded_products_go_back_to_one_thread_then_try_again(
         blas_on_two_threads, monkeypatch):
-    # threaded products take 4x the serial time (a busy machine) from the second run on
+    # the first threaded product fast, then every one 4x the serial time (a busy machine)
     seen = _timed_products(monkeypatch, serial_s=1.0, threaded_s=[0.6, 4.0])
-    _mid_runs(2 + blas_threads.BACKOFF_RUNS + 1)
-    assert seen[:4] == [1, 2, 2, 2]  # run 1: serial, then threaded; run 2: threaded
-    # two stalls in run 2: the next BACKOFF_RUNS runs on one thread, then threaded again
-    assert seen[4:4 + 2 * blas_threads.BACKOFF_RUNS] == [1] * (2 * blas_threads.BACKOFF_RUNS)
+    samples, backoff = blas_threads.SAMPLES, blas_threads.BACKOFF_RUNS
+    # runs 1-3 serial; run 4: 0.6 then a stall; run 5: two stalls, so runs 6 to 5 + backoff
+    # on one thread; then the threaded samples go on
+    _mid_runs(samples + 2 + backoff + 1)
+    assert seen[:2 * samples] == [1, 1] * samples
+    assert seen[2 * samples:2 * samples + 4] == [2, 2, 2, 2]
+    assert seen[2 * samples + 4:-2] == [1, 1] * backoff
     assert seen[-2:] == [2, 2]
 
 
 def test_one_slow_threaded_product_is_not_a_stall(blas_on_two_threads, monkeypatch):
     """The first threaded product after a quiet stretch waits for BLAS's threads to wake."""
     seen = _timed_products(monkeypatch, serial_s=1.0, threaded_s=[0.6, 4.0, 0.6])
-    _mid_runs(4)
-    assert seen == [1, 2] + [2, 2] * 3
+    _mid_runs(9)
+    assert seen == _learning(9, then=2)
 
 
-def test_the_serial_times_kept_are_bounded(blas_on_two_threads, monkeypatch):
-    """Dynamic shapes make a new mid-size shape per batch size: past KEPT_SHAPES the times
-    are forgotten (and learnt again), not kept forever."""
+def test_the_times_kept_are_bounded(blas_on_two_threads, monkeypatch):
+    """Dynamic shapes make a new mid-size shape and a new run key per batch size: past
+    KEPT_SHAPES the times are forgotten (and learnt again), not kept forever."""
     monkeypatch.setattr(blas_threads, "KEPT_SHAPES", 3)
     seen = _timed_products(monkeypatch, serial_s=1.0, threaded_s=[0.6])
     session = Session(_chain_model((64, 64)), device="cpu")
     for rows in (512, 520, 528, 536, 512):
         session.run(_chain_feeds(rows, (64, 64)))
-    assert len(session._ctx.blas._best_serial) <= 3
-    # 512 rows was forgotten when the fourth shape came: serial again on its second visit
-    assert seen == [1, 1, 1, 1, 1]
+    blas = session._ctx.blas
+    assert len(blas._best_serial) <= 3 and len(blas._run_times) <= 3
+    assert (((512, 64), (64, 64), np.dtype(np.float32), np.dtype(np.float32))
+            in blas._best_serial)  # learnt again after it was forgotten
+    assert seen == [1, 1, 1, 1, 1]  # every run key new or still learning: one thread
 
 
 def test_only_numpys_own_blas_is_switched_when_another_is_loaded(monkeypatch):
