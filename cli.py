@@ -356,4 +356,9 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
 
 
 if __name__ == "__main__":
-    main()
+    from graphopt.console import no_collection_at_exit
+
+    try:
+        main()
+    finally:
+        no_collection_at_exit()

