@@ -22,6 +22,10 @@ from pathlib import Path
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 MIN_RUNS = 9
+# untimed steps before a training step is timed: a session's first runs learn where its
+# mid-size products run faster (3 runs on one BLAS thread, 3 on BLAS's threads; see
+# executor/blas_threads.py), and a training job runs for thousands of steps after them
+STEP_WARMUP = 10
 BLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 CORES = os.cpu_count() or 1

@@ -20,6 +20,7 @@ import sys
 import numpy as np
 from _common import (
     MIN_RUNS,
+    STEP_WARMUP,
     command_line,
     in_processes,
     machine,
@@ -66,7 +67,7 @@ def worker(device: str, config: int, variant: str, runs: int) -> None:
     disable = ("gather_slice_to_split",) if variant == "plain" else ()
     step, ops = step_function(cfg, batch, device, disable)
     assert ("Split" in ops) == (variant == "fused")
-    worker_report(time_calls(step, runs))
+    worker_report(time_calls(step, runs, warmup=STEP_WARMUP))
 
 
 def main(argv=None) -> int:
@@ -99,8 +100,9 @@ def main(argv=None) -> int:
     lines = [
         "MQA character LM training step (forward + backward, float32), with and without "
         "`gather_slice_to_split`; each variant in processes of its own (3 rounds, taking "
-        f"turns), warm-up, {len(results['plain']['times'])} timed steps each. ONNX Runtime "
-        "reports ~7% end-to-end for Falcon training from its GatherSliceToSplitFusion.",
+        f"turns), {STEP_WARMUP} warm-up steps, {len(results['plain']['times'])} timed steps "
+        "each. ONNX Runtime reports ~7% end-to-end for Falcon training from its "
+        "GatherSliceToSplitFusion.",
         "",
         "| device | model | no Split fusion median ms | min ms | Split fusion median ms | "
         "min ms | gain (medians) |",

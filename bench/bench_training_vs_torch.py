@@ -24,6 +24,7 @@ import sys
 import numpy as np
 from _common import (
     MIN_RUNS,
+    STEP_WARMUP,
     command_line,
     in_processes,
     machine,
@@ -193,7 +194,7 @@ def worker(runtime: str, config: str, runs: int) -> None:
     setup_peak = _peak_rss_mb()  # the libraries, the model, the set-up
     reset = _reset_peak_rss()
     losses = []
-    times = time_calls(lambda: losses.append(step()), runs)
+    times = time_calls(lambda: losses.append(step()), runs, warmup=STEP_WARMUP)
     step_peak = _peak_rss_mb()
     step_mb = step_peak - before if reset else float("nan")
     worker_report(times, loss=losses[-1], step_mb=step_mb,
@@ -235,8 +236,9 @@ def main(argv=None) -> int:
     lines = [
         "MQA character LM (`graphopt.examples.mqa`), float32, one training step (forward + "
         "backward, every parameter gradient, no optimizer) with the same weights and batch. "
-        f"Each runtime in processes of its own (3 rounds, taking turns), warm-up, {runs} timed "
-        "steps each; ratio = graphopt / PyTorch of the medians (of the minimums). Step MiB: "
+        f"Each runtime in processes of its own (3 rounds, taking turns), {STEP_WARMUP} warm-up "
+        f"steps, {runs} timed steps each; ratio = graphopt / PyTorch of the medians (of the "
+        "minimums). Step MiB: "
         "peak resident set during the steps less the resident set before them (largest of "
         "the rounds); process peak MiB: the whole process's peak resident set (Python, the "
         "libraries each runtime loads -- numba's compiled kernels for graphopt, about 110 "
