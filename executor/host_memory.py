@@ -21,8 +21,8 @@ environment. Other C libraries (musl, macOS) are left alone.
 Blocks of 32 MiB and more glibc maps afresh whatever its settings: each run pays page faults
 (and the kernel's zeroing) for every one it makes. ``SpareBlocks`` keeps such arrays
 themselves once a run no longer needs them, for a later step or run that makes an array of
-the same shape and dtype (the attention scores of the MQA block: 32 MiB at batch 8, seq 256,
-16 heads; 0.9 ms of its 4.4 ms product went to the fresh mapping).
+as many elements of the same dtype (the attention scores of the MQA block: 32 MiB at batch
+8, seq 256, 16 heads; 0.9 ms of its 4.4 ms product went to the fresh mapping).
 ``GRAPHOPT_KEEP_HOST_MEMORY=0`` turns this off too.
 """
 
@@ -108,12 +108,12 @@ LARGE_BYTES = MMAP_THRESHOLD  # glibc maps a block this large afresh at every al
 
 class SpareBlocks:
     """Large host arrays (LARGE_BYTES and more) a NumPy session's runs no longer need, kept
-    for a kernel that makes an array of the same shape and dtype (``take``), in this run or a
-    later one. ``offer`` keeps an array only when nothing but the offering caller references
-    it: a feed, an initializer, a fetched tensor, a value a hook kept or a live view of it is
-    never handed out again. At the end of a run (``end_run``) what this run released stays,
-    up to the run's planned peak; spares of earlier runs that no run took are dropped, so
-    changing shapes do not pile up memory.
+    for a kernel that makes an array of as many elements of the same dtype (``take``), in
+    this run or a later one. ``offer`` keeps an array only when nothing but the offering
+    caller references it: a feed, an initializer, a fetched tensor, a value a hook kept or a
+    live view of it is never handed out again. At the end of a run (``end_run``) what this
+    run released stays, up to the run's planned peak; spares of earlier runs that no run
+    took are dropped, so changing shapes do not pile up memory.
 
     What a spare held before is never read: a kernel that takes one overwrites every element
     (``out=``) and lays out its result as it would have in an array of its own."""
@@ -131,8 +131,8 @@ class SpareBlocks:
 
     def take(self, shape: tuple[int, ...], dtype) -> np.ndarray | None:
         """A spare C-contiguous array of ``shape`` and ``dtype`` (the array owning its
-        memory, or a view of it), or None (the caller then
-        allocates as usual). Only worth asking for LARGE_BYTES and more."""
+        memory, or a view of it), or None: the caller then allocates as usual. Only arrays of
+        LARGE_BYTES and more are ever kept."""
         shape = tuple(shape)
         kept = self._spares.get((math.prod(shape), np.dtype(dtype)))
         if not kept:
@@ -177,7 +177,3 @@ class SpareBlocks:
                     spares.setdefault(key, []).append((array, False))
                     total += array.nbytes
         self._spares, self._bytes = spares, total
-
-    def clear(self) -> None:
-        self._spares.clear()
-        self._bytes = 0
