@@ -34,8 +34,9 @@ OP_TYPES = frozenset({
     "SoftmaxGrad_13", "LayerNormalizationGrad", "GeluGrad", "BiasGeluGrad_dX",
     "SoftmaxCrossEntropyLoss", "SoftmaxCrossEntropyLossInternal",
     "SoftmaxCrossEntropyLossGrad", "SoftmaxCrossEntropyLossInternalGrad",
-    # their float32 scatter-add (an embedding's gradient)
-    "GatherGrad", "ScatterND", "ScatterElements", "ATen"})
+    # an embedding's gradient: its float32 scatter-add (other scatter-adds use the compiled
+    # loop only where something else has loaded it: see loaded_kernels)
+    "GatherGrad"})
 
 _module = None
 _unavailable: str | None = None
@@ -50,6 +51,15 @@ def compiled_kernels(xp, dtype, size: int):
     if xp is not np or dtype != np.float32 or size < MIN_ELEMENTS or not enabled():
         return None
     return _load()
+
+
+def loaded_kernels(xp, dtype, size: int):
+    """As ``compiled_kernels``, but None unless numba's kernels are loaded already: for a
+    kernel whose two paths give the same bits and that is not worth numba's load (a
+    ScatterND with ``reduction="add"`` in a graph that loads nothing else)."""
+    if _module is None:
+        return None
+    return compiled_kernels(xp, dtype, size)
 
 
 def preload(op_types) -> None:

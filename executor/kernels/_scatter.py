@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._compiled import compiled_kernels
+from ._compiled import loaded_kernels
 
 REDUCTIONS = {"add": "add", "mul": "multiply", "max": "maximum", "min": "minimum"}
 # what one round costs on NumPy, in elements ufunc.at would update in the same time
@@ -101,13 +101,14 @@ def _contiguous_rounds(out2d, updates2d, ufunc, order, sorted_rows, group_start,
 
 def _compiled_add(xp, out2d, rows, updates2d) -> bool:
     """float32 ``add`` in the compiled loop of ``np.add.at`` (the same bits, 5-10x faster than
-    the rounds on an embedding gradient), when the arrays allow it; False: not done."""
+    the rounds on an embedding gradient), when the arrays allow it and the compiled kernels
+    are loaded (a session whose graph holds GatherGrad loads them); False: not done."""
     if (updates2d.ndim != 2 or out2d.ndim != 2 or out2d.dtype != np.float32
             or updates2d.dtype != np.float32 or rows.dtype != np.int64
             or not out2d.flags.c_contiguous or not updates2d.flags.c_contiguous
             or not out2d.flags.writeable):
         return False
-    compiled = compiled_kernels(xp, out2d.dtype, updates2d.size)
+    compiled = loaded_kernels(xp, out2d.dtype, updates2d.size)
     if compiled is None:
         return False
     bad = compiled.scatter_add_rows(out2d, rows, updates2d)

@@ -1,6 +1,10 @@
 """On NumPy, scatter_rows applies wide rows in rounds (faster than ufunc.at for an embedding
 gradient, issue 15) and narrow ones with ufunc.at; either way the bits are ufunc.at's."""
 
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
@@ -104,3 +108,36 @@ def test_float32_add_of_strided_updates_keeps_add_at_bits(float32_add_path):
     got = base.copy()
     _scatter.scatter_rows(_ctx(), got, rows, updates, "add")
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_a_graph_whose_only_scatter_add_is_a_scatternd_does_not_load_numba():
+    """numba's load (0.3-0.8 s, once per process) is paid for GatherGrad, not for a
+    ScatterND: its float32 add takes the compiled loop only where numba is loaded anyway."""
+    script = textwrap.dedent("""
+        import sys
+        import numpy as np
+        from onnx import TensorProto, helper
+        from graphopt.executor import Session
+
+        node = helper.make_node("ScatterND", ["data", "indices", "updates"], ["y"],
+                                reduction="add")
+        graph = helper.make_graph(
+            [node], "g",
+            [helper.make_tensor_value_info("data", TensorProto.FLOAT, [64, 128]),
+             helper.make_tensor_value_info("indices", TensorProto.INT64, [4096, 1]),
+             helper.make_tensor_value_info("updates", TensorProto.FLOAT, [4096, 128])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+        rng = np.random.default_rng(0)
+        feeds = {"data": np.zeros((64, 128), np.float32),
+                 "indices": rng.integers(0, 64, (4096, 1)),
+                 "updates": rng.standard_normal((4096, 128)).astype(np.float32)}
+        y = Session(model, device="cpu").run(feeds)["y"]
+        want = feeds["data"].copy()
+        np.add.at(want, feeds["indices"][:, 0], feeds["updates"])
+        assert y.tobytes() == want.tobytes()
+        print("numba" in sys.modules)
+    """)
+    done = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.strip() == "False", done.stdout + done.stderr
