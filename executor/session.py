@@ -296,7 +296,8 @@ class Session:
                 also = {k: values[s] for k, s in step.also} if step.also else _NOTHING_ELSE
                 if step.donatable and donate:
                     ctx.donated = _donations(step, args, values)
-                    donations = list(ctx.donated)
+                    if spares is not None:  # offered below, once the step has run
+                        donations = list(ctx.donated)
                 try:
                     # only GEMM-class products consult the policy (its node name and
                     # BackwardPassGuard): every other node is called directly
