@@ -64,7 +64,7 @@ class KernelContext:
         whole result into (``out=``), when the result is large enough for glibc to map it
         afresh (host_memory.LARGE_BYTES); else None: the caller allocates as usual."""
         spares = self.spares
-        if spares is None or not spares.nbytes:  # only large arrays are ever kept
+        if not spares:  # None, or nothing kept now
             return None
         return spares.take(shape, dtype)
 

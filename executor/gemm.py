@@ -23,7 +23,8 @@ def matmul(ctx, a, b, op: str = "gemm"):
             and (a.dtype != np.float16 or b.dtype != np.float16)):
         ctx.blas.restore()  # the policy's own products see BLAS's own thread count
         return numerics.matmul(a, b, op=op)
-    return plain_matmul(ctx.xp, a, b, ctx.blas, ctx.large_out)
+    # a spare is looked for only while the session keeps some (large arrays: host_memory)
+    return plain_matmul(ctx.xp, a, b, ctx.blas, ctx.large_out if ctx.spares else None)
 
 
 def _merged(x, first: int):
@@ -34,13 +35,13 @@ def _merged(x, first: int):
     return x.reshape(x.shape[:first] + (-1,) + x.shape[first + 2:])
 
 
-def _no_buffer(shape, dtype):
-    return None
-
-
-def _product_into(xp, a, b, blas, out, shape):
-    """``a @ b`` written into ``out`` (an array of ``shape``) seen as the product's shape."""
-    return _blas_threads.matmul(xp, a, b, blas, None if out is None else out.reshape(shape))
+def _product_as(xp, a, b, blas, spare, shape):
+    """``a @ b`` (the GEMM BLAS is handed) returned as ``shape``, written into a spare array
+    of ``shape`` where ``spare`` has one."""
+    out = None if spare is None else spare(shape, a.dtype)
+    product_shape = a.shape[:-1] + (b.shape[-1],)
+    y = _blas_threads.matmul(xp, a, b, blas, None if out is None else out.reshape(product_shape))
+    return y.reshape(shape) if out is None else out
 
 
 def plain_matmul(xp, a, b, blas: _blas_threads.BlasThreads | None = None, large_out=None):
@@ -49,13 +50,11 @@ def plain_matmul(xp, a, b, blas: _blas_threads.BlasThreads | None = None, large_
     ``blas``: the running session's BLAS thread count (see blas_threads.matmul).
     ``large_out(shape, dtype)``: a spare array for a large result, or None
     (KernelContext.large_out); the result is laid out as in an array of its own."""
-    spare = large_out if large_out is not None and a.dtype == b.dtype else _no_buffer
+    spare = large_out if a.dtype == b.dtype else None
     if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous:
         # One large GEMM instead of one per leading index.
-        shape = a.shape[:-1] + (b.shape[1],)
-        out = spare(shape, a.dtype)
-        flat = _product_into(xp, a.reshape(-1, a.shape[-1]), b, blas, out, (-1, b.shape[1]))
-        return flat.reshape(shape) if out is None else out
+        return _product_as(xp, a.reshape(-1, a.shape[-1]), b, blas, spare,
+                           a.shape[:-1] + (b.shape[1],))
     if (a.ndim >= 3 and b.ndim == a.ndim and b.shape[-3] == 1 and a.shape[-3] > 1
             and b.shape[:-3] == a.shape[:-3]):
         # b shared across axis -3 (multi-query attention: one K/V head for every query
@@ -65,9 +64,7 @@ def plain_matmul(xp, a, b, blas: _blas_threads.BlasThreads | None = None, large_
         b3 = b.reshape(b.shape[:-3] + b.shape[-2:])
         folded = _merged(a, a.ndim - 3)  # (..., H*M, K) in place
         if folded is not None:
-            out = spare(a.shape[:-1] + (n,), a.dtype)
-            y = _product_into(xp, folded, b3, blas, out, folded.shape[:-1] + (n,))
-            return y.reshape(a.shape[:-1] + (n,)) if out is None else out
+            return _product_as(xp, folded, b3, blas, spare, a.shape[:-1] + (n,))
         # (..., M, H, K): a row-major view or one copy; the result is then laid out
         # (..., M, H, N) and returned as the (..., H, M, N) view of it, which is the layout
         # a following transpose back to (..., M, H, N) wants
@@ -76,12 +73,10 @@ def plain_matmul(xp, a, b, blas: _blas_threads.BlasThreads | None = None, large_
         if folded is None:
             folded = xp.ascontiguousarray(swapped).reshape(
                 a.shape[:-3] + (rows * heads, a.shape[-1]))
-        shape = a.shape[:-3] + (rows, heads, n)
-        out = spare(shape, a.dtype)
-        y = _product_into(xp, folded, b3, blas, out, folded.shape[:-1] + (n,))
-        return (y.reshape(shape) if out is None else out).swapaxes(-3, -2)
+        return _product_as(xp, folded, b3, blas, spare,
+                           a.shape[:-3] + (rows, heads, n)).swapaxes(-3, -2)
     out = None
-    if spare is not _no_buffer and a.ndim >= 2 and b.ndim >= 2:
+    if spare is not None and a.ndim >= 2 and b.ndim >= 2:
         try:
             batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
         except ValueError:  # matmul says what is wrong with the shapes

@@ -129,6 +129,10 @@ class SpareBlocks:
     def nbytes(self) -> int:
         return self._bytes
 
+    def __bool__(self) -> bool:
+        """Whether any spare is kept now."""
+        return self._bytes > 0
+
     def take(self, shape: tuple[int, ...], dtype) -> np.ndarray | None:
         """A spare C-contiguous array of ``shape`` and ``dtype`` (the array owning its
         memory, or a view of it), or None: the caller then allocates as usual. Only arrays of
