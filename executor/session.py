@@ -316,19 +316,16 @@ class Session:
                     on_step(index, step.node,
                             tuple(result) if isinstance(result, (tuple, list)) else (result,))
                 result = args = also = None  # hold no reference a later donation check would see
-                if spares is None:
-                    for slot in step.release:
-                        values[slot] = None
-                else:
-                    # each offered array is referenced by ``value`` alone unless something
-                    # else (a fetch, a hook, a live view, the kernel's result) still holds it
-                    for slot in step.release:
-                        value, values[slot] = values[slot], None
+                # an offered array is referenced by ``value`` alone unless something else (a
+                # fetch, a hook, a live view, the kernel's result) still holds it
+                for slot in step.release:
+                    value, values[slot] = values[slot], None
+                    if spares is not None:
                         spares.offer(value)
-                    while donations:  # donated inputs the kernel did not write into
-                        value = donations.pop()
-                        spares.offer(value)
-                    value = None
+                while donations:  # donated inputs the kernel did not write into
+                    value = donations.pop()
+                    spares.offer(value)
+                value = None
                 if observer is not None:
                     blas.restore()
                     live = [names_by_slot[s] for s, v in enumerate(values) if v is not None]

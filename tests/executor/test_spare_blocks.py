@@ -17,6 +17,7 @@ LARGE = 4096  # bytes, for these tests
 @pytest.fixture(autouse=True)
 def _small_large_bytes(monkeypatch):
     monkeypatch.setattr(host_memory, "LARGE_BYTES", LARGE)
+    monkeypatch.delenv(host_memory.ENV, raising=False)  # a caller's setting would turn them off
 
 
 def _fresh(*shape, dtype=np.float32):
