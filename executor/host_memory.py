@@ -106,6 +106,25 @@ def keep_freed(peak_bytes: int | None) -> bool:
 LARGE_BYTES = MMAP_THRESHOLD  # glibc maps a block this large afresh at every allocation
 
 
+def unshared_owner(array, holders: int):
+    """The ndarray owning ``array``'s memory (``array`` itself, or the base of a view of
+    it) when nothing references either beyond the caller's ``holders`` references to
+    ``array`` (and, for a view, the view's own reference to its base); else None. What a
+    kernel may overwrite, and a session may keep: not a feed, an initializer, a fetched
+    tensor, a value a hook kept, nor an array a live view still reads."""
+    # the caller's holders, this argument and getrefcount's argument
+    if type(array) is not np.ndarray or sys.getrefcount(array) != holders + 2:
+        return None
+    owner = array.base
+    if owner is None:
+        return array
+    # numpy points a view's base at the array owning the memory; three references to that
+    # owner: the view's base, the local ``owner`` and getrefcount's argument
+    if type(owner) is np.ndarray and owner.base is None and sys.getrefcount(owner) == 3:
+        return owner
+    return None
+
+
 class SpareBlocks:
     """Large host arrays (LARGE_BYTES and more) a NumPy session's runs no longer need, kept
     for a kernel that makes an array of as many elements of the same dtype (``take``), in
@@ -152,19 +171,9 @@ class SpareBlocks:
         and the caller holds the only reference to it: the caller drops its own next."""
         if type(array) is not np.ndarray or array.nbytes < LARGE_BYTES:
             return
-        owner = array.base
-        if owner is None:
-            # references: the caller's, this argument, getrefcount's argument
-            if sys.getrefcount(array) != 3:
-                return
-            owner = array
-        else:
-            # a view of an owner: nothing else may reference the view or the owner (the
-            # view's base, the local ``owner`` and getrefcount's argument)
-            if (type(owner) is not np.ndarray or owner.base is not None
-                    or sys.getrefcount(array) != 3 or sys.getrefcount(owner) != 3):
-                return
-        if not (owner.flags.c_contiguous and owner.flags.writeable and owner.flags.owndata):
+        owner = unshared_owner(array, 2)  # the caller's reference and this argument
+        if owner is None or not (owner.flags.c_contiguous and owner.flags.writeable
+                                 and owner.flags.owndata):
             return
         self._spares.setdefault((owner.size, owner.dtype), []).append((owner, True))
         self._bytes += owner.nbytes

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -17,7 +16,7 @@ from graphopt.vocabulary import is_yield_op, type_dims
 from .backend import select_backend
 from .context import KernelContext
 from .errors import ExecutorError, FeedError, KernelError, UnsupportedOpsError
-from .host_memory import keep_freed
+from .host_memory import keep_freed, unshared_owner
 from .kernels._compiled import preload as preload_compiled_kernels
 from .memory import MemoryGuard
 from .plan import Plan, PlannedNode, build_plan, decode_attributes, topological_order
@@ -384,14 +383,8 @@ def _donations(step, args, values) -> tuple:
     for position, slot in step.donatable:
         values[slot] = None
         array = args[position]
-        # three references: args, this local, getrefcount's argument
-        if (type(array) is not np.ndarray or sys.getrefcount(array) != 3
-                or not array.flags.writeable or 0 in array.strides):
-            continue
-        base = array.base
-        # numpy points a view's base at the array owning the memory; three references to
-        # that owner: this view's base, the local ``base`` and getrefcount's argument
-        if base is None or (type(base) is np.ndarray and base.base is None
-                            and sys.getrefcount(base) == 3):
+        # two references besides unshared_owner's own: args and this local
+        if (unshared_owner(array, 2) is not None and array.flags.writeable
+                and 0 not in array.strides):
             donated.append(array)
     return tuple(donated)
