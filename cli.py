@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import signal
 import sys
 import threading
@@ -9,7 +10,7 @@ import threading
 import click
 
 from graphopt import api, modelio
-from graphopt.console import INTERRUPTED
+from graphopt.console import INTERRUPTED, printable
 from graphopt.errors import GraphoptError, Terminated
 from graphopt.registry import all_rules
 
@@ -33,6 +34,17 @@ def cli_words(message: str) -> str:
     return message
 
 
+def echo(text="", err: bool = False) -> None:
+    """click.echo, control characters in what the model or the user's files named escaped
+    (tables keep their own line breaks)."""
+    click.echo(printable(str(text), keep_newlines=True), err=err)
+
+
+def error_line(message: str) -> None:
+    """The one line of an error: control characters escaped, a newline included."""
+    click.echo(f"graphopt: error: {printable(message)}", err=True)
+
+
 def user_errors(command):
     """User errors become one line on stderr and exit code 1, never a traceback."""
 
@@ -41,14 +53,43 @@ def user_errors(command):
         try:
             return command(*args, **kwargs)
         except GraphoptError as exc:
-            click.echo(f"graphopt: error: {cli_words(str(exc))}", err=True)
+            error_line(cli_words(str(exc)))
             sys.exit(1)
         except KeyboardInterrupt as exc:
             _interrupted(exc)
         except MemoryError:
-            click.echo("graphopt: error: out of memory", err=True)
+            error_line("out of memory")
             sys.exit(1)
+        except OSError as exc:
+            _os_error(exc)
     return wrapper
+
+
+def _os_error(exc: OSError) -> None:
+    """A write the command could not make outside graphopt's own writers (which say which
+    file): its standard output on a full disk (``> /dev/full``), a closed pipe. One line,
+    exit 1; standard output is then dropped, so the interpreter's last flush cannot fail
+    again with a traceback."""
+    with _quiet_stdout():
+        if isinstance(exc, BrokenPipeError):   # the reader went away: nobody to tell
+            sys.exit(1)
+        where = f"{exc.filename}: " if exc.filename else "cannot write the output: "
+        error_line(f"{where}{exc.strerror or exc}")
+        sys.exit(1)
+
+
+class _quiet_stdout:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):
+            pass
+        return False
 
 
 def _interrupted(exc: BaseException) -> None:
@@ -56,9 +97,10 @@ def _interrupted(exc: BaseException) -> None:
     stopped by a second Ctrl-C still has the checkpoints it wrote (``exc.kept``)."""
     kept = getattr(exc, "kept", None)
     if isinstance(exc, Terminated):
-        click.echo(f"graphopt: terminated; {kept or 'nothing was written'}", err=True)
+        click.echo(printable(f"graphopt: terminated; {kept or 'nothing was written'}"),
+                   err=True)
         sys.exit(143)
-    click.echo(f"graphopt: interrupted; {kept}" if kept else INTERRUPTED, err=True)
+    click.echo(printable(f"graphopt: interrupted; {kept}") if kept else INTERRUPTED, err=True)
     sys.exit(130)
 
 
@@ -77,7 +119,7 @@ def usage_error(exc: click.UsageError) -> None:
     ctx = exc.ctx
     command = ctx.command.name if ctx is not None and ctx.parent is not None else None
     where = f"'graphopt {command} -h'" if command else "'graphopt -h'"
-    click.echo(f"graphopt: error: {exc.format_message()} (see {where})", err=True)
+    error_line(f"{exc.format_message()} (see {where})")
     sys.exit(USAGE_EXIT)
 
 
@@ -113,6 +155,8 @@ class GraphoptGroup(click.Group):
         except click.Abort:
             click.echo(INTERRUPTED, err=True)
             sys.exit(130)
+        except OSError as exc:   # writing --help or --version to a full disk, a closed pipe
+            _os_error(exc)
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
@@ -161,7 +205,7 @@ def optimize(model, output, level, only, enable, disable, provider, input_shapes
         raise GraphoptError("-v/--verbose and -q/--quiet contradict each other")
     to_stdout = report_file == "-"
     # with --report - stdout is the JSON alone: the human-readable lines go to stderr
-    say = (lambda _text: None) if quiet else functools.partial(click.echo, err=to_stdout)
+    say = (lambda _text: None) if quiet else functools.partial(echo, err=to_stdout)
     shapes = dict(api.parse_input_shape(text) for text in input_shapes)
     checked = []
 
@@ -192,7 +236,13 @@ def optimize(model, output, level, only, enable, disable, provider, input_shapes
     if to_stdout:
         click.echo(report.to_json())
     elif report_file:
-        modelio.write_text_atomic(report_file, report.to_json())
+        # never onto a file the command read or the save just published (the output's
+        # content-named data file included)
+        protect = modelio.ProtectedFiles()
+        protect.add(model, "input model")
+        for path in report.written:
+            protect.add(path, "optimized model's file")
+        modelio.write_text_atomic(report_file, report.to_json(), "--report", protect=protect)
         say(f"wrote the report to {report_file}")
     target = model if output is None else output
     if not dry_run:
@@ -221,7 +271,7 @@ def list_rules():
     header = ("name", "level", "kind", "providers", "description")
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(4)]
     for row in [header, *rows]:
-        click.echo("  ".join(c.ljust(w) for c, w in zip(row[:4], widths, strict=True))
+        echo("  ".join(c.ljust(w) for c, w in zip(row[:4], widths, strict=True))
                    + "  " + row[4])
 
 
@@ -348,9 +398,9 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
         lr_schedule=lr_schedule, warmup=warmup, clip_grad_norm=clip_grad_norm,
         eval_data=eval_data, eval_every=eval_every)
     if list_params:
-        print_params(options, echo=click.echo)
+        print_params(options, echo=echo)
         return
-    outcome = run_training(options, echo=click.echo)
+    outcome = run_training(options, echo=echo)
     if outcome.result.interrupted:
         sys.exit(128 + (outcome.result.stop_signal or signal.SIGINT))
 

@@ -10,10 +10,28 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import signal
 import sys
 
 INTERRUPTED = "graphopt: interrupted; nothing was written"
+
+# C0 and C1 control characters and DEL (a newline would inject a line into a one-line
+# error, ESC starts a terminal escape sequence), and the Unicode format characters that
+# reorder or hide text on a terminal (bidi overrides, zero-width marks)
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069"
+                      "\ufeff]")
+_CONTROL_KEEPING_LINES = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u200b-\u200f"
+                                    "\u202a-\u202e\u2066-\u2069\ufeff]")
+
+
+def printable(text: str, *, keep_newlines: bool = False) -> str:
+    """``text`` with control characters escaped as ``repr`` writes them (``\\n``,
+    ``\\x1b``, ``\\u202e``): a name read from a model or a file cannot add a line to a
+    message or send escape sequences to the user's terminal. ``keep_newlines``: for
+    multi-line output (tables), whose own line breaks stay."""
+    pattern = _CONTROL_KEEPING_LINES if keep_newlines else _CONTROL
+    return pattern.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def main() -> None:

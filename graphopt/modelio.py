@@ -347,10 +347,12 @@ def _byte_size(tensor: onnx.TensorProto) -> int | None:
 
 
 def check_output_path(out: str, source=None, in_place: bool = False, *,
-                      what: str = "output") -> None:
-    """Refuse before doing any work: a missing folder, or a path that would overwrite one of
+                      what: str = "output", protect: ProtectedFiles | None = None) -> None:
+    """Refuse before doing any work: a missing folder, a path that is not a regular file (a
+    FIFO, a device: only regular files are replaced), or a path that would overwrite one of
     the input's files. ``source``: the input model (a loaded :class:`Model`, whose external
-    data files are protected too, or a path)."""
+    data files are protected too, or a path); ``protect``: every other file the command
+    reads."""
     folder = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(folder):
         problem = "is a file, not a folder" if os.path.exists(folder) else "does not exist"
@@ -359,7 +361,69 @@ def check_output_path(out: str, source=None, in_place: bool = False, *,
         raise GraphoptError(f"{out}: output folder {folder} is not writable")
     if os.path.isdir(out):
         raise GraphoptError(f"{out}: is a directory")
+    refuse_special_file(out, what)
     refuse_input_files(out, source, in_place, what=what)
+    if protect is not None:
+        protect.refuse(out, what)
+
+
+def refuse_special_file(out: str, what: str = "output") -> None:
+    """Only a regular file (or nothing) is replaced: writing a FIFO blocks until a reader
+    comes, a device is not ours to replace. A symlink to a regular file is fine: the link
+    itself is replaced, never the file it points to."""
+    try:
+        st = os.lstat(out)
+    except (OSError, ValueError):
+        return
+    through = ""
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            st = os.stat(out)
+        except OSError:
+            return   # a dangling symlink: the rename replaces the link
+        through = " (through a symlink)"
+    if not stat.S_ISREG(st.st_mode):
+        raise GraphoptError(f"{out}: the {what} is {_kind(st.st_mode)}{through}, not a "
+                            "regular file; graphopt replaces only regular files")
+
+
+class ProtectedFiles:
+    """Every file a command reads (the model, its external data, training data, a resumed
+    checkpoint) and every file it has already written, by identity (device, inode): an
+    output is checked against them when the command starts and again just before it is
+    published, so no spelling (symlink, ``..``, hard link) lets one output replace an input
+    or an earlier output of the same command."""
+
+    def __init__(self) -> None:
+        self._files: dict[tuple[int, int], tuple[str, str]] = {}   # identity -> (what, path)
+
+    def add(self, path: str | None, what: str) -> None:
+        if not path:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            self._files.setdefault(_identity(os.stat(path)), (what, os.fspath(path)))
+
+    def add_model(self, model, what: str = "input model") -> None:
+        """A model and each external data file it references (a loaded :class:`Model`)."""
+        for name, st, is_model in input_files(model):
+            self._files.setdefault(_identity(st), (what if is_model else
+                                                   f"{what}'s external data", name))
+
+    def refuse(self, out: str, what: str = "output", *, allow: tuple[str, ...] = ()) -> None:
+        """``allow``: paths this output may replace (the checkpoint a run resumed from is
+        replaced by that run's next checkpoint)."""
+        try:
+            st = os.stat(out)
+        except (OSError, ValueError):
+            return
+        found = self._files.get(_identity(st))
+        if found is None:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            if any(_identity(os.stat(path)) == _identity(st) for path in allow):
+                return
+        kind, path = found
+        raise GraphoptError(f"{out}: the {what} would overwrite the {kind} {path!r}")
 
 
 def input_files(source) -> list[tuple[str, os.stat_result, bool]]:
@@ -410,8 +474,10 @@ def refuse_same_outputs(outputs: dict[str, str | None]) -> None:
             seen.setdefault(key, option)
 
 
-def save(model: Model, out: str) -> None:
-    """Write atomically: temporary files in the output folder, fsync, then rename.
+def save(model: Model, out: str, *, protect: ProtectedFiles | None = None,
+         what: str = "output") -> list[str]:
+    """Write atomically: temporary files in the output folder, fsync, then rename; returns
+    the files published (the model, then its data file if it has one).
 
     External data goes to ``<out>.<digest>.data``, named after its content, and is published
     before the model: a model file on disk only ever points at a complete data file. The
@@ -421,8 +487,18 @@ def save(model: Model, out: str) -> None:
     may still use them); a save of the same content reuses its file.
 
     New files get the permissions the umask gives (like any other tool's); replacing an
-    existing file keeps that file's permissions (``--in-place`` keeps the model's mode)."""
+    existing file keeps that file's permissions (``--in-place`` keeps the model's mode).
+    ``protect``: files the output must not replace, checked again just before publishing."""
     refuse_input_files(out, model, in_place=True)  # its own data files: never (API callers too)
+    refuse_special_file(out, what)
+
+    def publish_checks(*paths: str) -> None:
+        for path in paths:
+            refuse_special_file(path, what)
+            if protect is not None:
+                protect.refuse(path, what)
+
+    publish_checks(out)
     proto = model.flush()
     folder = os.path.dirname(os.path.abspath(out))
     stem = os.path.basename(out)
@@ -432,9 +508,10 @@ def save(model: Model, out: str) -> None:
     staged: list[str] = []  # what to delete if the save fails
     try:
         if not external:
-            _publish(_write_temp(folder, stem, proto.SerializeToString(), mode, staged), out,
-                     staged)
-            return
+            model_tmp = _write_temp(folder, stem, proto.SerializeToString(), mode, staged)
+            publish_checks(out)
+            _publish(model_tmp, out, staged)
+            return [out]
         out_proto = onnx.ModelProto()
         out_proto.CopyFrom(proto)
         data_tmp, extents, digest = _stage_external_data(external, external_files(model),
@@ -448,13 +525,16 @@ def save(model: Model, out: str) -> None:
                               length=str(length))
             model_tmp = _write_temp(folder, stem, out_proto.SerializeToString(), mode, staged)
             data_path = os.path.join(folder, data_name)
+            publish_checks(out)
             if reuse:  # the same bytes are already there, under their name
                 os.unlink(data_tmp)
             else:
+                publish_checks(data_path)
                 os.replace(data_tmp, data_path)
                 staged.append(data_path)  # created by this save: removed if the model fails
             staged.remove(data_tmp)
             _publish(model_tmp, out, staged)
+        return [out, data_path]
     except BaseException:
         for tmp_path in staged:
             with contextlib.suppress(OSError):
@@ -502,7 +582,8 @@ def _data_name(folder: str, stem: str, digest: str, size: int) -> tuple[str, boo
     (content-named, same size, a regular file). A different file under the name is kept and
     another name chosen."""
     for n in range(1000):
-        name = f"{stem}.{digest}{f'-{n}' if n else ''}.data"
+        suffix = f".{digest}{f'-{n}' if n else ''}.data"
+        name = _fit_name(stem, suffix)
         try:
             st = os.lstat(os.path.join(folder, name))
         except FileNotFoundError:
@@ -544,9 +625,27 @@ def _host_tag() -> str:
     return "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:32] or "host"
 
 
+NAME_MAX = 255          # bytes in one file name (Linux, macOS; most filesystems)
+_RANDOM_CHARS = 8       # what mkstemp adds
+
+
+def _fit_name(stem: str, suffix: str, room: int = 0) -> str:
+    """``stem + suffix``, the stem shortened (whole characters) so that the name, with
+    ``room`` more bytes, stays within NAME_MAX: a valid output name of 250 bytes must not
+    get a temporary or data file name that the filesystem refuses."""
+    budget = NAME_MAX - room - len(suffix.encode("utf-8", "surrogateescape"))
+    encoded = stem.encode("utf-8", "surrogateescape")
+    if len(encoded) > budget:
+        stem = encoded[:max(budget, 1)].decode("utf-8", "ignore")
+    return stem + suffix
+
+
 def _temp_in(folder: str, stem: str, mode: int | None = None) -> str:
-    fd, tmp = tempfile.mkstemp(prefix=f".{stem}.{TEMP_TAG}-{_host_tag()}-{os.getpid()}-",
-                               suffix=TEMP_SUFFIX, dir=folder)
+    """A new file, created with O_EXCL under an unpredictable name (mkstemp) in ``folder``:
+    nothing planted at a guessable name can redirect the write."""
+    tag = f".{TEMP_TAG}-{_host_tag()}-{os.getpid()}-"
+    prefix = "." + _fit_name(stem, tag, room=1 + _RANDOM_CHARS + len(TEMP_SUFFIX))
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=TEMP_SUFFIX, dir=folder)
     try:
         os.fchmod(fd, file_mode_for(os.path.join(folder, stem)) if mode is None else mode)
     finally:
@@ -637,16 +736,95 @@ def _stage_external_data(external, files: ExternalFiles, folder, stem, mode, sta
     return tmp, extents, digest.hexdigest()[:DIGEST_CHARS]
 
 
-def write_text_atomic(path: str, text: str) -> None:
+@contextlib.contextmanager
+def atomic_file(path: str, what: str = "output", *, protect: ProtectedFiles | None = None,
+                binary: bool = True):
+    """A file object on a new temporary file beside ``path`` (O_EXCL, unpredictable name);
+    when the block ends it is synced and renamed onto ``path``: the path itself is replaced
+    (a symlink there is replaced, never the file it points to; a hard link's other names keep
+    the old content). On any failure (a full disk, SIGTERM, an error in the block) the
+    temporary is removed and ``path`` keeps what it had; an OSError becomes one line."""
     folder = os.path.dirname(os.path.abspath(path))
-    tmp = _temp_in(folder, os.path.basename(path))
+    refuse_special_file(path, what)
+    tmp = None
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
+        tmp = _temp_in(folder, os.path.basename(path))
+        with open(tmp, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) \
+                as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
+        refuse_special_file(path, what)
+        if protect is not None:
+            protect.refuse(path, what)
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+        tmp = None
+        _fsync_folder(folder)
+    except OSError as exc:
+        raise GraphoptError(f"{path}: cannot write the {what}: {exc.strerror or exc}") \
+            from None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def write_text_atomic(path: str, text: str, what: str = "output", *,
+                      protect: ProtectedFiles | None = None) -> None:
+    with atomic_file(path, what, protect=protect, binary=False) as f:
+        f.write(text)
+
+
+def open_for_appending(path: str, what: str, *, append: bool) -> object:
+    """A text file for a log written as the run goes. A new log (or ``append`` false) is a
+    new file, created as :func:`atomic_file` creates one and renamed onto ``path`` at once.
+    An existing log is appended to only when it is a regular file with no other name (opened
+    without following a symlink); through a symlink or a hard link its content is copied into
+    a new file that replaces ``path``, so the file it points to, or shares its inode with, is
+    never written. A FIFO or device is refused."""
+    folder = os.path.dirname(os.path.abspath(path))
+    refuse_special_file(path, what)
+    try:
+        if append:
+            fd = _open_own_regular_for_append(path)
+            if fd is not None:
+                return os.fdopen(fd, "a", newline="", encoding="utf-8")
+        previous = b""
+        if append and os.path.lexists(path):
+            fd, st = open_regular(path, what)
+            try:
+                previous = _pread_exactly(fd, st.st_size, 0, path)
+            finally:
+                os.close(fd)
+        tmp = _temp_in(folder, os.path.basename(path))
+        try:
+            f = open(tmp, "a", newline="", encoding="utf-8")  # noqa: SIM115
+            if previous:
+                f.buffer.write(previous)
+                f.flush()
+            refuse_special_file(path, what)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return f
+    except OSError as exc:
+        raise GraphoptError(f"{path}: cannot open the {what}: {exc.strerror or exc}") from None
+
+
+def _open_own_regular_for_append(path: str) -> int | None:
+    """An append descriptor on ``path`` when it is a regular file that is not a symlink and
+    has one name only; None otherwise (also when it does not exist)."""
+    flags = (os.O_WRONLY | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
+             | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return None   # missing, a symlink (ELOOP), a FIFO without reader (ENXIO)
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+        os.set_blocking(fd, True)
+        return fd
+    os.close(fd)
+    return None

@@ -31,6 +31,7 @@ class Report:
     validated: bool = False
     op_types_before: dict[str, int] = field(default_factory=dict)   # op type -> nodes
     op_types_after: dict[str, int] = field(default_factory=dict)
+    written: list[str] = field(default_factory=list)   # files the save published
 
     def stats(self, rule) -> RuleStats:
         if rule.name not in self.rules:

@@ -13,10 +13,12 @@ from graphopt.errors import GraphoptError
 from graphopt.ir import Model
 
 
-def save_model(proto: onnx.ModelProto, path: str) -> None:
-    """Atomic write (temporary file, fsync, rename)."""
+def save_model(proto: onnx.ModelProto, path: str, *,
+               protect: modelio.ProtectedFiles | None = None, what: str = "output"
+               ) -> list[str]:
+    """Atomic write (temporary file, fsync, rename); returns the files written."""
     try:
-        modelio.save(Model(proto), path)
+        return modelio.save(Model(proto), path, protect=protect, what=what)
     except OSError as exc:
         raise GraphoptError(f"{path}: cannot write: {exc.strerror or exc}") from None
 
@@ -54,9 +56,11 @@ def smoothed(values: list[float], weight: float = SMOOTHING) -> list[float]:
     return out
 
 
-def plot_losses(history: list[dict], path: str, title: str) -> None:
+def plot_losses(history: list[dict], path: str, title: str, *,
+                protect: modelio.ProtectedFiles | None = None) -> None:
     """Raw training loss as faint points, its smoothed curve over them, the held-out loss
-    where evaluated, and skipped steps in red; written in the extension's format."""
+    where evaluated, and skipped steps in red; written in the extension's format, as every
+    output is (:func:`graphopt.modelio.atomic_file`)."""
     fmt = plot_format(path)
     require_matplotlib()
     import matplotlib
@@ -86,7 +90,8 @@ def plot_losses(history: list[dict], path: str, title: str) -> None:
     axes.set_title(title, fontsize=9)
     axes.grid(alpha=0.3)
     figure.tight_layout()
-    tmp = f"{path}.tmp-{os.getpid()}.{fmt}"
-    figure.savefig(tmp, format=fmt)
-    plt.close(figure)
-    os.replace(tmp, path)
+    try:
+        with modelio.atomic_file(path, "--plot", protect=protect) as f:
+            figure.savefig(f, format=fmt)
+    finally:
+        plt.close(figure)

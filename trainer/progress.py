@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from graphopt import modelio
 from graphopt.errors import GraphoptError
 
 LOG_FIELDS = ("step", "epoch", "loss", "loss_scale", "skipped", "applied", "seconds", "lr",
@@ -77,11 +78,9 @@ class StepLog:
             raise GraphoptError(f"--log {path}: folder {folder} does not exist")
         fresh = not (append and os.path.exists(path))
         self.path = path
-        try:
-            self.file = open(path, "w" if fresh else "a",  # noqa: SIM115
-                             newline="", encoding="utf-8")
-        except OSError as exc:
-            raise GraphoptError(f"--log {path}: cannot open it: {exc.strerror or exc}") from None
+        # a new file renamed onto the path (or the path's own file appended to): never the
+        # file a symlink or another hard link points at, never a FIFO
+        self.file = modelio.open_for_appending(path, "--log", append=not fresh)
         self.writer = csv.DictWriter(self.file, LOG_FIELDS) if self.kind == "csv" else None
         if self.writer is not None and fresh:
             self.writer.writeheader()

@@ -133,19 +133,37 @@ def _check_seed(seed) -> None:
         raise GraphoptError(f"--seed must be an integer from 0 to {MAX_SEED}, not {seed!r}")
 
 
-def _check_outputs(opts: RunOptions, source) -> None:
-    """Refuse bad output paths before any training happens: none may be a file of the input
-    model (its external data included; -o may be the model itself with --in-place), and no
-    two may be the same file."""
+def _protected_inputs(opts: RunOptions, source) -> modelio.ProtectedFiles:
+    """Every file the run reads: the model and its external data, --data, --eval-data and
+    the checkpoint it resumes. No output may replace one of them."""
+    protect = modelio.ProtectedFiles()
+    if source is not None:
+        protect.add_model(source)
+    protect.add(opts.data, "--data file")
+    protect.add(opts.eval_data, "--eval-data file")
+    if opts.resume and opts.checkpoint:
+        protect.add(ckpt.path_in(opts.checkpoint), "checkpoint being resumed")
+    return protect
+
+
+def _check_outputs(opts: RunOptions, source) -> modelio.ProtectedFiles:
+    """Refuse bad output paths before any training happens: none may be a file the run
+    reads (the model, its external data, --data, --eval-data, the resumed checkpoint; -o may
+    be the model itself with --in-place), none may be a FIFO or a device, and no two may be
+    the same file. Returns the files every writer checks again just before it publishes."""
+    protect = _protected_inputs(opts, source)
     denormal = opts.denormal_report if opts.denormal_report != "-" else None
     outputs = {"-o": opts.output, "--save-graph": opts.save_graph, "--plot": opts.plot,
                "--denormal-report": denormal, "--log": opts.log}
     for option, path in outputs.items():
         if path:
             modelio.check_output_path(path, source, opts.overwrite_input and option == "-o",
-                                      what="output" if option == "-o" else option)
+                                      what="output" if option == "-o" else option,
+                                      protect=protect)
     checkpoint = ckpt.path_in(opts.checkpoint or INTERRUPT_DIR)  # where a Ctrl-C saves too
     modelio.refuse_input_files(checkpoint, source, what="checkpoint")
+    resumed = (ckpt.path_in(opts.checkpoint),) if opts.resume and opts.checkpoint else ()
+    protect.refuse(checkpoint, "checkpoint", allow=resumed)   # it replaces its own
     modelio.refuse_same_outputs({**outputs, "--checkpoint": checkpoint})
     if opts.plot:
         plot_format(opts.plot)
@@ -154,6 +172,7 @@ def _check_outputs(opts: RunOptions, source) -> None:
         raise GraphoptError("--resume needs --checkpoint DIR")
     if opts.allow_changed_graph and not opts.resume:
         raise GraphoptError("--allow-changed-graph applies only with --resume")
+    return protect
 
 
 def _total_steps(opts: RunOptions, defaults: dict, batches: Batches) -> int:
@@ -266,7 +285,7 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
     writer = dist is None or dist.writer
     say = (lambda _text: None) if opts.quiet else echo
     forward, arrays, defaults, source = _resolve_source(opts)
-    _check_outputs(opts, source)
+    protect = _check_outputs(opts, source)
     if opts.resume:
         opts = _settings_from_checkpoint(opts, dist)
     if opts.seed is None:
@@ -290,7 +309,9 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
         say(f"== {title}")
         say(report.format_table())
     if opts.save_graph and writer:
-        save_model(graph.proto, opts.save_graph)
+        for path in save_model(graph.proto, opts.save_graph, protect=protect,
+                               what="--save-graph"):
+            protect.add(path, "training graph written by --save-graph")
         say(f"wrote the training graph to {opts.save_graph}")
 
     if dist is not None:
@@ -378,7 +399,7 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
                               f"{scaler.describe().split(' (')[0]}, {optimizer.name} lr "
                               f"{optimizer.lr:g}")
         if writer:
-            _finish(opts, outcome, say, echo)
+            _finish(opts, outcome, say, echo, protect)
     except KeyboardInterrupt as exc:
         # a second Ctrl-C (or SIGTERM) ends the run at once: the CLI says what is kept
         exc.kept = _kept(opts, trainer) if writer else None
@@ -524,7 +545,8 @@ def list_params(opts: RunOptions, echo: Callable[[str], None] = print) -> list[s
     return params
 
 
-def _finish(opts: RunOptions, outcome: RunOutcome, say, echo) -> None:
+def _finish(opts: RunOptions, outcome: RunOutcome, say, echo,
+            protect: modelio.ProtectedFiles | None = None) -> None:
     result = outcome.result
     if result.history:
         first, last = result.history[0]["loss"], result.history[-1]["loss"]
@@ -547,27 +569,35 @@ def _finish(opts: RunOptions, outcome: RunOutcome, say, echo) -> None:
         return
     if result.checkpoint:
         say(f"checkpoint: {result.checkpoint}")
+    protect = protect if protect is not None else modelio.ProtectedFiles()
+    if opts.output:
+        # the trained weights first: a failure or SIGTERM in an optional output after them
+        # (the plot, the reports) loses nothing that cost training. The forward model as
+        # given (no YieldOp, no gradients), with the trained weights
+        written = save_model(with_weights(outcome.forward, result.params), opts.output,
+                             protect=protect)
+        for path in written:
+            protect.add(path, "trained model written by -o")
+        outcome.written.append(opts.output)
+        say(f"wrote the trained model to {opts.output}")
     if opts.log:
         say(f"wrote the step log to {opts.log}")
     if opts.denormal_report is not None:
-        _denormal_report(opts.denormal_report, outcome.session, say)
+        _denormal_report(opts.denormal_report, outcome.session, say, protect)
     if opts.plot:
-        plot_losses(result.history, opts.plot, outcome.plot_title)
+        plot_losses(result.history, opts.plot, outcome.plot_title, protect=protect)
         outcome.written.append(opts.plot)
         say(f"wrote {opts.plot}")
-    if opts.output:
-        # the forward model as given (no YieldOp, no gradients), with the trained weights
-        save_model(with_weights(outcome.forward, result.params), opts.output)
-        outcome.written.append(opts.output)
-        say(f"wrote the trained model to {opts.output}")
 
 
-def _denormal_report(target: str, session: Session, say) -> None:
+def _denormal_report(target: str, session: Session, say,
+                     protect: modelio.ProtectedFiles | None = None) -> None:
     numerics = session.numerics
     report = numerics.denormal_report()
     say(numerics.format_denormal_table())
     if target != "-":
-        modelio.write_text_atomic(target, json.dumps(report, indent=2))
+        modelio.write_text_atomic(target, json.dumps(report, indent=2), "--denormal-report",
+                                  protect=protect)
         say(f"wrote {target}")
 
 
