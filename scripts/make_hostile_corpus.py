@@ -339,6 +339,7 @@ def make(root: str, truncations: int = 24) -> Corpus:
     corpus.add("missing_file", "model.onnx does not exist")
     _training_state_cases(corpus)
     add_memory_and_result_traps(corpus)
+    add_output_guard_cases(corpus)
     corpus.write_manifest()
     return corpus
 
@@ -521,6 +522,66 @@ def add_memory_and_result_traps(corpus: Corpus) -> None:
     corpus.add("value_info_lies_about_split_axis", "value_info says [2,6,4] for a [B,S,4] "
                "tensor that a Gather and a Slice would tile only if S is 6", lying,
                accepts=("optimize",))
+
+
+def _trainable_model() -> onnx.ModelProto:
+    """x [N, 2, 4] -> MatMul W -> ReduceSum: a scalar loss ``run --loss output`` trains."""
+    return _small_model([helper.make_node("MatMul", ["x", "W"], ["h"]),
+                         helper.make_node("ReduceSum", ["h"], ["y"], keepdims=0)],
+                        inputs=_run_input(),
+                        outputs=[helper.make_tensor_value_info("y", TensorProto.FLOAT, [])])
+
+
+def _npz(**arrays) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def add_output_guard_cases(corpus: Corpus) -> None:
+    """Outputs that would replace a file the command reads (training data, held-out data,
+    a checkpoint folder that holds the data), outputs that are FIFOs, and names that carry
+    control characters into the one error line. Each must be one line, nothing changed."""
+    data = {"d.npz": _npz(x=np.ones((4, 2, 4), np.float32))}
+    corpus.add("run_output_onto_data", "-o is the --data file", _trainable_model(),
+               extra=data, output="d.npz", args={"run": ["--data", "{CASE}/d.npz"]},
+               commands=["run"])
+    corpus.add("run_report_onto_eval_data", "--denormal-report is the --eval-data file",
+               _trainable_model(), extra=data,
+               args={"run": ["--eval-data", "{CASE}/d.npz", "--denormal-report",
+                             "{CASE}/d.npz"]}, commands=["run"])
+    path = corpus.add("run_save_graph_through_symlink_to_data", "--save-graph g.onnx, a "
+                      "symlink to the --data file", _trainable_model(), extra=data,
+                      args={"run": ["--data", "{CASE}/d.npz", "--save-graph", "{CASE}/g.onnx"]},
+                      commands=["run"])
+    os.symlink("d.npz", os.path.join(os.path.dirname(path), "g.onnx"))
+    path = corpus.add("run_checkpoint_folder_holds_data", "--checkpoint ck, whose "
+                      "checkpoint.npz is a hard link to the --data file", _trainable_model(),
+                      extra=data, args={"run": ["--data", "{CASE}/d.npz", "--checkpoint",
+                                                "{CASE}/ck"]}, commands=["run"])
+    os.makedirs(os.path.join(os.path.dirname(path), "ck"))
+    os.link(os.path.join(os.path.dirname(path), "d.npz"),
+            os.path.join(os.path.dirname(path), "ck", "checkpoint.npz"))
+    for option, name in (("--log", "log.csv"), ("--plot", "p.png"),
+                         ("--denormal-report", "r.json")):
+        path = corpus.add(f"run_{option.strip('-').replace('-', '_')}_is_fifo",
+                          f"{option} {name} is a FIFO (no reader: writing blocks)",
+                          _trainable_model(), args={"run": [option, "{CASE}/" + name]},
+                          commands=["run"])
+        os.mkfifo(os.path.join(os.path.dirname(path), name))
+    path = corpus.add("optimize_report_is_fifo", "--report r.json is a FIFO",
+                      _small_model(), args={"optimize": ["--report", "{CASE}/r.json"]},
+                      commands=["optimize"])
+    os.mkfifo(os.path.join(os.path.dirname(path), "r.json"))
+    path = corpus.add("output_is_fifo", "-o out.onnx is a FIFO", _trainable_model(),
+                      output="out.onnx")
+    os.mkfifo(os.path.join(os.path.dirname(path), "out.onnx"))
+    hostile = "x\ninjected: line\x1b[2J\u202e"
+    corpus.add("name_with_control_characters", "a dangling input whose name holds a newline, "
+               "a terminal escape and a bidi override (the error must stay one line)",
+               _small_model([helper.make_node("MatMul", [hostile, "W"], ["y"])]))
 
 
 def main(argv: list[str]) -> int:

@@ -34,6 +34,8 @@ from .progress import Progress, StepLog
 from .schedule import check_schedule
 from .training_graph import RunGraph, build, describe_params
 
+# Without --checkpoint, a Ctrl-C saves in ./INTERRUPT_DIR/<model>-<run id>/: a folder per run
+# (see checkpoint.claim_run_folder), so one run's Ctrl-C never replaces another run's checkpoint.
 INTERRUPT_DIR = "graphopt-checkpoint"
 
 
@@ -160,10 +162,12 @@ def _check_outputs(opts: RunOptions, source) -> modelio.ProtectedFiles:
             modelio.check_output_path(path, source, opts.overwrite_input and option == "-o",
                                       what="output" if option == "-o" else option,
                                       protect=protect)
-    checkpoint = ckpt.path_in(opts.checkpoint or INTERRUPT_DIR)  # where a Ctrl-C saves too
-    modelio.refuse_input_files(checkpoint, source, what="checkpoint")
-    resumed = (ckpt.path_in(opts.checkpoint),) if opts.resume and opts.checkpoint else ()
-    protect.refuse(checkpoint, "checkpoint", allow=resumed)   # it replaces its own
+    checkpoint = None   # without --checkpoint, a Ctrl-C saves in a new folder of its own
+    if opts.checkpoint:
+        checkpoint = ckpt.path_in(opts.checkpoint)
+        modelio.refuse_input_files(checkpoint, source, what="checkpoint")
+        resumed = (checkpoint,) if opts.resume else ()
+        protect.refuse(checkpoint, "checkpoint", allow=resumed)   # it replaces its own
     modelio.refuse_same_outputs({**outputs, "--checkpoint": checkpoint})
     if opts.plot:
         plot_format(opts.plot)
@@ -270,22 +274,24 @@ def _silent(_text: str) -> None:
 
 def _run(opts: RunOptions, echo, progress_stream, after_step,
          dist: distributed.Distributed | None) -> RunOutcome:
-    """The run, holding the checkpoint folder's lock (one run per folder, see checkpoint)."""
-    writer = dist is None or dist.writer
-    lock = ckpt.FolderLock.acquire(opts.checkpoint) if opts.checkpoint and writer else None
+    """The run, holding the checkpoint folder's lock (one run per folder, see checkpoint)
+    from the moment its outputs are checked: a refused run leaves the folder untouched."""
+    held: list[ckpt.FolderLock] = []
     try:
-        return _run_locked(opts, echo, progress_stream, after_step, dist)
+        return _run_locked(opts, echo, progress_stream, after_step, dist, held)
     finally:
-        if lock is not None:
+        for lock in held:
             lock.release()
 
 
 def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
-                dist: distributed.Distributed | None) -> RunOutcome:
+                dist: distributed.Distributed | None, held: list) -> RunOutcome:
     writer = dist is None or dist.writer
     say = (lambda _text: None) if opts.quiet else echo
     forward, arrays, defaults, source = _resolve_source(opts)
     protect = _check_outputs(opts, source)
+    if opts.checkpoint and writer:
+        held.append(ckpt.FolderLock.acquire(opts.checkpoint))
     if opts.resume:
         opts = _settings_from_checkpoint(opts, dist)
     if opts.seed is None:
@@ -435,7 +441,8 @@ def _settings_record(opts: RunOptions, loss, labels, optimizer, precision: str,
               "freeze": list(opts.freeze), "train": list(opts.train), "steps": total,
               "ignore_index": -100 if opts.ignore_index is None else opts.ignore_index,
               "lr_schedule": opts.lr_schedule or "constant", "warmup": opts.warmup or 0,
-              "clip_grad_norm": opts.clip_grad_norm}
+              "clip_grad_norm": opts.clip_grad_norm,
+              "model": ckpt.run_name(opts.model or opts.example)}   # names a Ctrl-C's folder
     for key in RESUMED:
         if key not in record and getattr(opts, key, None) is not None:
             record[key] = getattr(opts, key)
@@ -517,8 +524,10 @@ def _warn_if_nothing_saved(opts: RunOptions, writer: bool, echo) -> None:
     where a Ctrl-C would save them."""
     if opts.output or opts.checkpoint or not writer:
         return
+    folder = f"./{INTERRUPT_DIR}/{ckpt.run_name(opts.model or opts.example)}-<run id>/"
     echo(f"warning: the trained weights will not be saved (no -o FILE.onnx, no --checkpoint "
-         f"DIR); only a Ctrl-C saves a checkpoint, in ./{INTERRUPT_DIR}/")
+         f"DIR); only a Ctrl-C saves a checkpoint, in {folder} (a folder of this run's own; "
+         "the interrupt message names it)")
 
 
 def list_params(opts: RunOptions, echo: Callable[[str], None] = print) -> list[str]:
