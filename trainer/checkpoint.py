@@ -11,27 +11,41 @@ or the new checkpoint, never a torn one; the previous checkpoint is kept until t
 complete. A write that fails (disk full, quota, I/O error) removes its temporary file, keeps
 the previous checkpoint and raises one :class:`CheckpointWriteError` line saying so. The
 temporary files a killed writer could not remove (``.checkpoint-<host>-<pid>-*.npz.tmp``) are
-removed by the next successful save on that host once their process is gone.
+removed by the next successful save on that host once their process is gone. Only a regular
+file (or nothing) is replaced, and only a regular file is read: a FIFO, device or folder under
+the checkpoint's name (or the lock's) is refused in one line, never opened for a blocking read.
 
 :func:`load` accepts only a complete checkpoint: a truncated or damaged file (the zip CRCs
-cover every array) or inconsistent metadata is refused with one line naming the file.
+cover every array) or inconsistent metadata is refused with one line naming the file. It
+reads the names, dtypes and shapes of the arrays from the zip's and the .npy headers first and
+checks them (and, given the run's expectations, against the training graph) before any array
+data is decompressed: a small file declaring huge arrays costs nothing to refuse.
+
+Runs without ``--checkpoint`` save on Ctrl-C into a folder of their own
+(:func:`claim_run_folder`): ``<model>-<run id>`` under ./graphopt-checkpoint/, the run id a
+short hash of the training graph's fingerprint, the saved settings and the data's seed and
+size, so a Ctrl-C of one run never replaces the checkpoint another run left there.
 """
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import math
 import os
 import socket
+import stat
 import tempfile
 import time
+import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from graphopt.errors import GraphoptError
-from graphopt.modelio import file_mode_for, process_alive
+from graphopt.modelio import _kind, file_mode_for, open_regular, process_alive, refuse_special_file
 
 FILENAME = "checkpoint.npz"
 FORMAT = 1
@@ -81,6 +95,10 @@ def save(directory: str, checkpoint: Checkpoint) -> str:
     arrays.update({f"opt/{k}": v for k, v in checkpoint.optimizer_arrays.items()})
     arrays["__meta__"] = np.array(json.dumps(meta))
     target = path_in(directory)
+    try:
+        refuse_special_file(target, "checkpoint")
+    except GraphoptError as exc:
+        raise CheckpointWriteError(str(exc)) from None
     tmp = None
     try:
         os.makedirs(directory, exist_ok=True)
@@ -124,26 +142,183 @@ def describe_existing(directory: str) -> str:
     return f"the previous checkpoint {target} (step {step}) is intact"
 
 
-def read_step(directory: str) -> int:
-    """The step of the checkpoint in ``directory`` (reads only its metadata)."""
-    target = path_in(directory)
+META = "__meta__"
+
+
+@dataclass(frozen=True)
+class Declared:
+    """An array of a checkpoint as its .npy header declares it (nothing decompressed yet)."""
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    info: zipfile.ZipInfo
+
+
+class _Counting:
+    """A reader that counts the bytes read through it (the .npy header's length)."""
+
+    def __init__(self, f):
+        self.f, self.count = f, 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.f.read(size)
+        self.count += len(data)
+        return data
+
+
+def _open_archive(target: str) -> zipfile.ZipFile:
+    """The checkpoint's zip, opened only if it is a regular file (never blocking on a FIFO)."""
+    fd, _ = open_regular(target, "checkpoint")
+    f = os.fdopen(fd, "rb")
     try:
-        with np.load(target, allow_pickle=False) as archive:
-            return int(json.loads(str(archive["__meta__"]))["step"])
+        return zipfile.ZipFile(f)
+    except BaseException:
+        f.close()
+        raise
+
+
+def _headers(archive: zipfile.ZipFile) -> dict[str, Declared]:
+    """Every member's dtype and shape from its .npy header, and its uncompressed size (the
+    zip's header) checked against them: the data is neither decompressed nor allocated."""
+    found: dict[str, Declared] = {}
+    readers = {(1, 0): np.lib.format.read_array_header_1_0,
+               (2, 0): np.lib.format.read_array_header_2_0}
+    for info in archive.infolist():
+        if not info.filename.endswith(".npy"):
+            raise InvalidField(f"member {info.filename!r} is not an array")
+        key = info.filename[:-len(".npy")]
+        if key in found:
+            raise InvalidField(f"array {key!r} is stored twice")
+        with archive.open(info) as member:
+            counted = _Counting(member)
+            version = np.lib.format.read_magic(counted)
+            if version not in readers:
+                raise InvalidField(f"array {key!r} has .npy format version {version}")
+            shape, _, dtype = readers[version](counted)
+        if dtype.hasobject:
+            raise InvalidField(f"array {key!r} holds Python objects")
+        shape = tuple(int(n) for n in shape)
+        size = counted.count + math.prod(shape) * dtype.itemsize
+        if info.file_size != size:
+            extra = info.file_size - size
+            raise InvalidField(f"array {key!r} holds {abs(extra)} bytes "
+                               f"{'more' if extra > 0 else 'fewer'} than its header declares "
+                               f"({dtype} {list(shape)})")
+        found[key] = Declared(dtype, shape, info)
+    return found
+
+
+def _read(archive: zipfile.ZipFile, declared: Declared) -> np.ndarray:
+    """The array itself (its size checked beforehand); reading it to the end checks its CRC."""
+    with archive.open(declared.info) as member:
+        return np.lib.format.read_array(member, allow_pickle=False)
+
+
+def _meta(archive: zipfile.ZipFile, headers: dict[str, Declared]) -> dict:
+    declared = headers.get(META)
+    if declared is None:
+        raise InvalidField("the metadata is missing")
+    if declared.dtype.kind != "U" or declared.shape != ():
+        raise InvalidField(f"the metadata is {declared.dtype} {list(declared.shape)}, not text")
+    meta = json.loads(str(_read(archive, declared)))
+    if not isinstance(meta, dict):
+        raise InvalidField("the metadata is not an object")
+    return meta
+
+
+def _read_meta(target: str) -> dict:
+    """The metadata of the checkpoint ``target`` (only that member is decompressed)."""
+    try:
+        with _open_archive(target) as archive:
+            return _meta(archive, _headers(archive))
+    except GraphoptError:
+        raise
+    except InvalidField as exc:
+        raise GraphoptError(f"{target}: not a valid checkpoint ({exc})") from None
     except Exception as exc:  # noqa: BLE001 (any damage reads as "not readable")
         raise GraphoptError(f"{target}: not a readable checkpoint ({_why(exc)})") from None
 
 
-def read_settings(directory: str) -> dict:
-    """The run options saved with the checkpoint in ``directory`` (reads only its metadata);
-    {} when there is no checkpoint or it predates saved settings (``load`` says what is
-    wrong with a damaged one)."""
+def read_step(directory: str) -> int:
+    """The step of the checkpoint in ``directory`` (reads only its metadata)."""
+    target = path_in(directory)
+    step = _read_meta(target).get("step")
     try:
-        with np.load(path_in(directory), allow_pickle=False) as archive:
-            settings = json.loads(str(archive["__meta__"])).get("settings")
-    except Exception:  # noqa: BLE001 (missing or damaged: load() reports it in one line)
+        return _int(step, "step")
+    except InvalidField as exc:
+        raise GraphoptError(f"{target}: not a valid checkpoint ({exc})") from None
+
+
+def read_settings(directory: str) -> dict:
+    """The run options saved with the checkpoint in ``directory`` (reads only its metadata),
+    each checked by type and range; {} when there is no checkpoint or it predates saved
+    settings. One line naming the file and the field for a setting save() cannot have
+    written; an unreadable file is refused as :func:`load` refuses it."""
+    target = path_in(directory)
+    if not os.path.lexists(target):
         return {}
-    return dict(settings) if isinstance(settings, dict) else {}
+    settings = _read_meta(target).get("settings")
+    if settings is None:
+        return {}
+    try:
+        return dict(check_settings(settings))
+    except InvalidField as exc:
+        raise GraphoptError(f"{target}: not a valid checkpoint ({exc})") from None
+
+
+# -- a folder of its own for each run's Ctrl-C checkpoint ------------------------------------
+
+RUN_ID_LENGTH = 12
+
+
+def run_name(model: str | None) -> str:
+    """The model file's stem (or the example's name), as a folder name can hold it."""
+    stem = os.path.splitext(os.path.basename(model or ""))[0]
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in stem).lstrip(".")
+    return safe[:48] or "run"
+
+
+def run_identity(graph: str | None, settings: dict, data: dict) -> str:
+    """A short hex name of one run: its training graph's fingerprint, the options its
+    checkpoints keep (all but the length, which a resumed run may change, and the model's
+    name), and the data's seed, size and batch size."""
+    kept = {k: v for k, v in (settings or {}).items() if k not in ("steps", "model")}
+    record = [graph, kept, [data.get(k) for k in ("seed", "size", "batch_size")]]
+    text = json.dumps(record, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()[:RUN_ID_LENGTH]
+
+
+def _identity_in(directory: str) -> str | None:
+    """The run id of the checkpoint in ``directory``; None when there is none; "" when it
+    cannot be read (it may be another run's: never replaced)."""
+    target = path_in(directory)
+    if not os.path.lexists(target):
+        return None
+    try:
+        meta = _read_meta(target)
+        data = meta.get("data")
+        return run_identity(meta.get("graph"), meta.get("settings") or {},
+                            data if isinstance(data, dict) else {})
+    except (GraphoptError, TypeError, ValueError):
+        return ""
+
+
+def claim_run_folder(base: str, name: str, identity: str) -> FolderLock:
+    """The folder under ``base`` where a run without --checkpoint saves on Ctrl-C, locked:
+    ``<name>-<identity>``, holding nothing or a checkpoint of this same run (a later Ctrl-C
+    of the same run replaces its own). Where another run is using that folder or it holds a
+    checkpoint of another run, ``<name>-<identity>-2``, ``-3``, ... instead."""
+    stem = f"{name}-{identity}"
+    for number in range(1, 101):
+        folder = os.path.join(base, stem if number == 1 else f"{stem}-{number}")
+        try:
+            lock = FolderLock.acquire(folder, what=folder)
+        except FolderInUse:
+            continue
+        if _identity_in(folder) in (None, identity):
+            return lock
+        lock.release()
+    raise GraphoptError(f"no folder free for this run's checkpoint under {base} ({stem} to "
+                        f"{stem}-100 are in use or hold other runs' checkpoints)")
 
 
 # -- one run per checkpoint folder ------------------------------------------------------------
@@ -159,34 +334,46 @@ def read_settings(directory: str) -> dict:
 LOCK_NAME = ".graphopt-run.lock"
 
 
+class FolderInUse(GraphoptError):
+    """Another live run holds the folder's lock."""
+
+
 class FolderLock:
     def __init__(self, directory: str, path: str, fd: int, created_folder: bool):
         self.directory, self.path, self.fd = directory, path, fd
         self.created_folder = created_folder
 
     @classmethod
-    def acquire(cls, directory: str) -> FolderLock:
+    def acquire(cls, directory: str, what: str | None = None) -> FolderLock:
+        """Lock ``directory`` for this run (``what``: the folder as the messages name it)."""
+        what = what or f"--checkpoint {directory}"
         created = not os.path.isdir(directory)
         try:
             os.makedirs(directory, exist_ok=True)
         except OSError as exc:
-            raise GraphoptError(f"--checkpoint {directory}: cannot create the folder: "
+            raise GraphoptError(f"{what}: cannot create the folder: "
                                 f"{exc.strerror or exc}") from None
+        refuse_special_file(path_in(directory), "checkpoint")   # never replaced or read
         path = os.path.join(directory, LOCK_NAME)
+        flags = (os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+                 | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
         for _ in range(100):   # another run may unlink the file between our open and lock
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
-                             | getattr(os, "O_CLOEXEC", 0), 0o666)
+                fd = os.open(path, flags, 0o666)
             except OSError as exc:
-                raise GraphoptError(f"--checkpoint {directory}: cannot create the lock file "
+                raise GraphoptError(f"{what}: cannot create the lock file "
                                     f"{LOCK_NAME}: {exc.strerror or exc}") from None
             try:
+                mode = os.fstat(fd).st_mode
+                if not stat.S_ISREG(mode):
+                    raise GraphoptError(f"{what}: the lock file {LOCK_NAME} is "
+                                        f"{_kind(mode)}, not a regular file; remove it")
                 locked = _flock(fd)
                 owner = _read_owner(fd)
                 if locked is False or (locked is None and _owner_alive(owner)):
-                    raise GraphoptError(f"--checkpoint {directory} is in use by another "
-                                        f"graphopt run ({_describe_owner(owner)}); wait for it "
-                                        "to end or use another folder")
+                    raise FolderInUse(f"{what} is in use by another "
+                                      f"graphopt run ({_describe_owner(owner)}); wait for it "
+                                      "to end or use another folder")
                 if os.fstat(fd).st_ino != os.stat(path, follow_symlinks=False).st_ino:
                     os.close(fd)   # the owner removed it as we opened it: lock the new one
                     continue
@@ -196,7 +383,7 @@ class FolderLock:
                     os.close(fd)
                 raise
             return cls(directory, path, fd, created)
-        raise GraphoptError(f"--checkpoint {directory}: the lock file {LOCK_NAME} keeps "
+        raise GraphoptError(f"{what}: the lock file {LOCK_NAME} keeps "
                             "changing; is another run starting and stopping there?")
 
     def release(self) -> None:
@@ -275,9 +462,6 @@ def _remove_stale_temporaries(directory: str) -> None:
                     os.unlink(os.path.join(directory, name))
 
 
-    return True
-
-
 def _fsync_directory(directory: str) -> None:
     with contextlib.suppress(OSError):  # not every file system lets a directory be opened
         fd = os.open(directory, os.O_RDONLY)
@@ -293,43 +477,59 @@ def _why(exc: BaseException) -> str:
     return f"truncated or damaged: {kind}: {text}" if text else f"truncated or damaged: {kind}"
 
 
-def load(directory: str) -> Checkpoint:
-    """The checkpoint in ``directory``; a truncated or damaged one is refused in one line."""
+# What the run resuming a checkpoint checks of it (weight names and shapes, training graph,
+# precision, data, optimizer slots), run by load() on the arrays as their headers declare them
+# (:class:`Declared`), before any is decompressed: it raises GraphoptError for one that does
+# not fit.
+Check = Callable[["Checkpoint"], None]
+
+
+def _state(meta: dict, params: dict, optimizer_arrays: dict) -> Checkpoint:
+    return Checkpoint(meta["step"], params, dict(meta["optimizer"]), optimizer_arrays,
+                      dict(meta["scaler"]), dict(meta["data"]), list(meta["history"]),
+                      meta["precision"], dict(meta.get("settings") or {}), meta.get("graph"))
+
+
+def load(directory: str, check: Check | None = None) -> Checkpoint:
+    """The checkpoint in ``directory``; a truncated or damaged one is refused in one line.
+    ``check`` sees the declared arrays first."""
     target = path_in(directory)
-    if not os.path.isfile(target):
+    if not os.path.lexists(target):
         raise GraphoptError(f"--resume: no checkpoint in {directory} ({FILENAME} is missing)")
     try:
-        with np.load(target, allow_pickle=False) as archive:
-            meta = json.loads(str(archive["__meta__"]))
-            if not isinstance(meta, dict):
-                raise ValueError("the metadata is not an object")
-            # reading every member checks every CRC: a damaged byte anywhere is refused here
-            members = {k: archive[k] for k in archive.files if k != "__meta__"}
-        if type(meta.get("format")) is not int or meta.get("format") != FORMAT:
-            raise GraphoptError(f"{target}: checkpoint format {meta.get('format')!r} is not "
-                                f"{FORMAT}")
-        params = {k[len("param/"):]: v for k, v in members.items() if k.startswith("param/")}
-        optimizer_arrays = {k[len("opt/"):]: v for k, v in members.items()
-                            if k.startswith("opt/")}
-        unknown = sorted(set(members) - {f"param/{k}" for k in params}
-                         - {f"opt/{k}" for k in optimizer_arrays})
-        if unknown:
-            raise ValueError(f"unexpected arrays {unknown[:3]}")
-        names = _names(meta, "params")
-        if sorted(names) != sorted(params):
-            raise ValueError(f"weights {sorted(set(names) ^ set(params))[:3]} do not match the "
-                             "metadata")
-        listed = _names(meta, "optimizer_arrays")
-        if sorted(listed) != sorted(optimizer_arrays):
-            raise ValueError(f"optimizer arrays "
-                             f"{sorted(set(listed) ^ set(optimizer_arrays))[:3]}"
-                             " do not match the metadata")
-        params = {n: params[n] for n in names}   # model order
-        _validate(meta, params, optimizer_arrays)
-        checkpoint = Checkpoint(meta["step"], params, dict(meta["optimizer"]), optimizer_arrays,
-                                dict(meta["scaler"]), dict(meta["data"]), list(meta["history"]),
-                                meta["precision"], dict(meta.get("settings") or {}),
-                                meta.get("graph"))
+        with _open_archive(target) as archive:
+            headers = _headers(archive)
+            meta = _meta(archive, headers)
+            if type(meta.get("format")) is not int or meta.get("format") != FORMAT:
+                raise GraphoptError(f"{target}: checkpoint format {meta.get('format')!r} is "
+                                    f"not {FORMAT}")
+            members = {k: v for k, v in headers.items() if k != META}
+            params = {k[len("param/"):]: v for k, v in members.items()
+                      if k.startswith("param/")}
+            optimizer_arrays = {k[len("opt/"):]: v for k, v in members.items()
+                                if k.startswith("opt/")}
+            unknown = sorted(set(members) - {f"param/{k}" for k in params}
+                             - {f"opt/{k}" for k in optimizer_arrays})
+            if unknown:
+                raise InvalidField(f"unexpected arrays {unknown[:3]}")
+            names = _names(meta, "params")
+            if sorted(names) != sorted(params):
+                raise InvalidField(f"weights {sorted(set(names) ^ set(params))[:3]} do not "
+                                   "match the metadata")
+            listed = _names(meta, "optimizer_arrays")
+            if sorted(listed) != sorted(optimizer_arrays):
+                raise InvalidField(f"optimizer arrays "
+                                   f"{sorted(set(listed) ^ set(optimizer_arrays))[:3]}"
+                                   " do not match the metadata")
+            params = {n: params[n] for n in names}   # model order
+            # everything about the arrays but their values, before reading any of them
+            _validate(meta, params, optimizer_arrays)
+            if check is not None:
+                check(_state(meta, params, optimizer_arrays))
+            # reading every member to its end checks every CRC: a damaged byte is refused
+            params = {n: _read(archive, v) for n, v in params.items()}
+            optimizer_arrays = {n: _read(archive, v) for n, v in optimizer_arrays.items()}
+        checkpoint = _state(meta, params, optimizer_arrays)
     except GraphoptError:
         raise
     except InvalidField as exc:
@@ -350,6 +550,8 @@ def load(directory: str) -> Checkpoint:
 PRECISIONS = ("fp32", "mixed", "fp16")
 NONFINITE_KINDS = ("loss", "gradients")
 MAX_SCALE = float(np.finfo(np.float32).max)
+MAX_SEED = 2**32 - 1                  # as --seed (numpy's and CuPy's seed range)
+INT64 = (-2**63, 2**63 - 1)
 
 
 class InvalidField(ValueError):
@@ -385,6 +587,60 @@ def _number(value, what: str, *, low: float | None = None, positive: bool = Fals
     return float(value)
 
 
+def _text(value, what: str, *, optional: bool = False) -> str | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise InvalidField(f"{what} is {value!r}, not {'text or null' if optional else 'text'}")
+    return value
+
+
+def _texts(value, what: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InvalidField(f"{what} is {value!r}, not a list of names")
+    return value
+
+
+# The settings a run saves with its checkpoints (see runner._settings_record): how each is
+# checked. A missing one is left to the command line (an older graphopt saved fewer).
+SETTINGS: dict[str, Callable] = {
+    "model": lambda v, w: _text(v, w),
+    "loss": lambda v, w: _text(v, w, optional=True),
+    "labels": lambda v, w: _text(v, w, optional=True),
+    "optimizer": lambda v, w: _text(v, w),
+    "lr": lambda v, w: _number(v, w, positive=True),
+    "weight_decay": lambda v, w: None if v is None else _number(v, w, low=0),
+    "precision": lambda v, w: _one_of(v, w, PRECISIONS),
+    "loss_scale": lambda v, w: _text(v, w, optional=True),
+    "batch_size": lambda v, w: _int(v, w, 1),
+    "seed": lambda v, w: _int(v, w, 0, MAX_SEED),
+    "freeze": _texts,
+    "train": _texts,
+    "steps": lambda v, w: _int(v, w, 1),
+    "ignore_index": lambda v, w: _int(v, w, *INT64),
+    "lr_schedule": lambda v, w: _text(v, w),
+    "warmup": lambda v, w: _int(v, w, 0),
+    "clip_grad_norm": lambda v, w: None if v is None else _number(v, w, positive=True),
+}
+
+
+def _one_of(value, what: str, choices: tuple[str, ...]) -> str:
+    if value not in choices or not isinstance(value, str):
+        raise InvalidField(f"{what} is {value!r}, not one of {', '.join(choices)}")
+    return value
+
+
+def check_settings(settings) -> dict:
+    """The saved run options, each checked by type and range (unknown keys are ignored: a
+    newer graphopt may save more)."""
+    if not isinstance(settings, dict):
+        raise InvalidField(f"settings is {type(settings).__name__}, not an object")
+    for key, check in SETTINGS.items():
+        if key in settings:
+            check(settings[key], f"settings {key}")
+    return settings
+
+
 def _dict(meta: dict, key: str) -> dict:
     value = meta.get(key)
     if not isinstance(value, dict):
@@ -392,8 +648,13 @@ def _dict(meta: dict, key: str) -> dict:
     return value
 
 
-def _validate(meta: dict, params: dict[str, np.ndarray],
-              optimizer_arrays: dict[str, np.ndarray]) -> None:
+OPTIONAL_RECORD_NUMBERS = {"lr": {"low": 0}, "grad_norm": {"low": 0, "finite": False},
+                           "eval_loss": {"finite": False}}
+
+
+def _validate(meta: dict, params: dict, optimizer_arrays: dict) -> None:
+    """Every field of the metadata, and the dtype and shape of every array (``Declared``
+    headers or the arrays themselves)."""
     step = _int(meta.get("step"), "step")
     precision = meta.get("precision")
     if precision not in PRECISIONS:
@@ -402,6 +663,8 @@ def _validate(meta: dict, params: dict[str, np.ndarray],
     if graph is not None and not (isinstance(graph, str) and len(graph) == 64
                                   and all(c in "0123456789abcdef" for c in graph)):
         raise InvalidField(f"graph is {graph!r}, not a SHA-256 fingerprint")
+    if meta.get("settings") is not None:
+        check_settings(meta["settings"])
     master = np.dtype(np.float16 if precision == "fp16" else np.float32)
     for name, value in params.items():
         if value.dtype != master:   # complex, float64, integers: never written by save()
@@ -436,6 +699,9 @@ def _validate(meta: dict, params: dict[str, np.ndarray],
         _number(record.get("loss"), f"{what}: loss", finite=False)
         _number(record.get("loss_scale"), f"{what}: loss_scale", positive=True)
         _number(record.get("seconds"), f"{what}: seconds", low=0)
+        for key, bounds in OPTIONAL_RECORD_NUMBERS.items():   # written by some runs only
+            if record.get(key) is not None:
+                _number(record[key], f"{what}: {key}", **bounds)
         if not isinstance(record.get("applied"), bool):
             raise InvalidField(f"{what}: applied is {record.get('applied')!r}, not true/false")
         kind = record.get("nonfinite")

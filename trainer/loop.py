@@ -44,7 +44,8 @@ class LoopSettings:
     seed: int = 0
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None   # steps; None: at the end of every epoch
-    interrupt_dir: str | None = None      # where Ctrl-C saves without --checkpoint
+    interrupt_dir: str | None = None      # Ctrl-C without --checkpoint saves in this run's
+    #                                       own folder under it (checkpoint.claim_run_folder)
     run_settings: dict = field(default_factory=dict)   # saved in checkpoints (bare --resume)
     lr_schedule: str = "constant"         # see .schedule
     warmup: int = 0
@@ -232,12 +233,33 @@ class Trainer:
             templates.append((grad, None if dims is None or None in dims else tuple(dims), dtype))
         return templates
 
-    def _read_checkpoint(self, directory: str) -> ckpt.Checkpoint:
+    def _read_checkpoint(self, directory: str, check: ckpt.Check) -> ckpt.Checkpoint:
         """Hook: a distributed run reads on rank 0 and broadcasts."""
-        return ckpt.load(directory)
+        return ckpt.load(directory, check)
 
     def resume_from(self, directory: str) -> None:
-        state = self._read_checkpoint(directory)
+        # checked on the arrays' headers before any is decompressed, then again on the arrays
+        state = self._read_checkpoint(directory,
+                                      lambda declared: self._check_fits(directory, declared))
+        self._check_fits(directory, state)
+        self.optimizer.load_state(state.optimizer, state.optimizer_arrays)
+        self.scaler.load_state(state.scaler)
+        self.params = self._placed({n: v.astype(master_dtype(self.settings.precision))
+                                    for n, v in state.params.items()})
+        self.step = state.step
+        self.history = list(state.history)
+        self.nonfinite = {}
+        for record in self.history:
+            kind = record.get("nonfinite")
+            if kind:
+                self.nonfinite[kind] = self.nonfinite.get(kind, 0) + 1
+        self._last_checkpoint = ckpt.path_in(directory)
+        self._checkpoint_step = state.step
+
+    def _check_fits(self, directory: str, state: ckpt.Checkpoint) -> None:
+        """That ``state`` continues this run: the same weights (names, shapes), training
+        graph, precision, data and optimizer slots. Its arrays may be headers only
+        (:class:`checkpoint.Declared`): nothing here reads their values."""
         if list(state.params) != list(self.params):
             raise GraphoptError(f"checkpoint in {directory} trains {list(state.params)[:4]}..., "
                                 f"this run trains {list(self.params)[:4]}...; not the same model")
@@ -266,19 +288,6 @@ class Trainer:
                                     f"{value}; resume with the same data, --seed and --batch-size")
         self.optimizer.check_arrays(state.optimizer_arrays, state.optimizer.get("steps", 0),
                                     state.params)
-        self.optimizer.load_state(state.optimizer, state.optimizer_arrays)
-        self.scaler.load_state(state.scaler)
-        self.params = self._placed({n: v.astype(master_dtype(self.settings.precision))
-                                    for n, v in state.params.items()})
-        self.step = state.step
-        self.history = list(state.history)
-        self.nonfinite = {}
-        for record in self.history:
-            kind = record.get("nonfinite")
-            if kind:
-                self.nonfinite[kind] = self.nonfinite.get(kind, 0) + 1
-        self._last_checkpoint = ckpt.path_in(directory)
-        self._checkpoint_step = state.step
 
     # -- checkpoints ----------------------------------------------------------------------
     def save_checkpoint(self, directory: str) -> str:
@@ -483,13 +492,30 @@ class Trainer:
         finally:
             if self.progress is not None:
                 self.progress.close()
-        target = settings.checkpoint_dir or (settings.interrupt_dir if interrupted else None)
-        if target:
-            self.save_checkpoint(target)
+        if settings.checkpoint_dir:
+            self.save_checkpoint(settings.checkpoint_dir)
+        elif interrupted and settings.interrupt_dir:
+            self._save_interrupted(settings.interrupt_dir)
         return TrainResult({n: to_host(v).astype(np.float32) for n, v in self.params.items()},
                            self.history, self.step, self.scaler.skipped, interrupted,
                            self._last_checkpoint, dict(self.nonfinite),
                            stop.signum if interrupted else None)
+
+    def _save_interrupted(self, base: str) -> None:
+        """Ctrl-C without --checkpoint: save in this run's own folder under ``base``, never
+        over the checkpoint another run left there (see :func:`checkpoint.claim_run_folder`)."""
+        comm = getattr(self, "comm", None)   # a distributed trainer's: rank 0 writes
+        if comm is not None and comm.rank != 0:
+            return
+        identity = ckpt.run_identity(self.graph.fingerprint or None, self.settings.run_settings,
+                                     {"seed": self.batches.seed, "size": self.batches.size,
+                                      "batch_size": self.batches.batch_size})
+        name = self.settings.run_settings.get("model") or ckpt.run_name(None)
+        lock = ckpt.claim_run_folder(base, name, identity)
+        try:
+            self.save_checkpoint(lock.directory)
+        finally:
+            lock.release()
 
     def saved(self) -> tuple[str, int] | None:
         """(path, step) of the last complete checkpoint there is for this run: written by
