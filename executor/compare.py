@@ -4,9 +4,15 @@ inputs and compare every output, as onnxsim's check does.
 The runtime is onnxruntime when it is installed (an oracle nobody here wrote); otherwise
 graphopt's own executor. Inputs have the declared shapes; a symbolic dimension takes the
 value ``--input-shape`` gave it, else 1.
+
+Before anything is allocated, the random inputs' bytes (and the executor's planned peak for
+each model, where it can plan it) are checked against the available memory (the executor's
+figure: GRAPHOPT_MEMORY_LIMIT, else the free memory), and a shape too large for any array is
+refused: each is one error line, not an allocation that the OS or onnxruntime kills.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -54,28 +60,84 @@ def _with_weights(model: onnx.ModelProto, base_dir: str) -> onnx.ModelProto:
     return proto
 
 
-def random_inputs(model: onnx.ModelProto, rng: np.random.Generator,
-                  shapes: dict[str, list[int]] | None = None) -> dict[str, np.ndarray]:
-    """One random array per graph input that is not an initializer."""
+MAX_ARRAY_BYTES = np.iinfo(np.intp).max  # what NumPy can address in one array
+
+
+def input_specs(model: onnx.ModelProto, shapes: dict[str, list[int]] | None = None
+                ) -> dict[str, tuple[np.dtype, list[int]]]:
+    """name -> (dtype, dims) of the random array each graph input that is not an
+    initializer gets; a shape no array can have is refused here, before any allocation."""
     initializers = {t.name for t in model.graph.initializer}
-    feeds = {}
+    specs = {}
     for value in model.graph.input:
         if value.name in initializers:
             continue
         tensor_type = value.type.tensor_type
         if not value.type.HasField("tensor_type") or not tensor_type.elem_type:
             raise GraphoptError(f"--check: input {value.name!r} is not a tensor of known type")
-        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))
-        dims = list((shapes or {}).get(value.name) or [])
+        try:
+            dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))
+        except (KeyError, TypeError, ValueError):
+            raise GraphoptError(f"--check: input {value.name!r} has an element type "
+                                f"({tensor_type.elem_type}) random inputs cannot have") from None
+        dims = [int(d) for d in (shapes or {}).get(value.name) or []]
         if not dims:
             dims = [d.dim_value if d.HasField("dim_value") else 1
                     for d in tensor_type.shape.dim]
+        nbytes = dtype.itemsize * math.prod(dims)  # Python ints: no overflow
+        if any(d < 0 for d in dims) or nbytes > MAX_ARRAY_BYTES:
+            raise GraphoptError(
+                f"--check: input {value.name!r} has shape {dims}: "
+                + ("a negative dimension" if any(d < 0 for d in dims) else
+                   f"{nbytes} bytes of {dtype.name}, too large for any array")
+                + "; nothing was run (--input-shape NAME:DIM,DIM gives it another)")
+        specs[value.name] = (dtype, dims)
+    return specs
+
+
+def refuse_what_cannot_fit(models, shapes: dict[str, list[int]] | None = None) -> None:
+    """One error line, before anything is allocated, when the random inputs of ``models``
+    (the first model's, as check() draws them) or the executor's planned peak of running any
+    of them exceeds the available memory."""
+    from .memory import available_bytes, estimate_peak, human, limit_source
+
+    specs = input_specs(models[0], shapes)
+    available = available_bytes(None)  # a GRAPHOPT_MEMORY_LIMIT that is no size: one line
+    if available is None:
+        return
+    where = f"the {human(available)} available ({limit_source()})"
+    lift = "nothing was run (GRAPHOPT_MEMORY_LIMIT=off lifts the limit)"
+    sizes = {n: dtype.itemsize * math.prod(dims) for n, (dtype, dims) in specs.items()}
+    # drawn as float64 / int64 and cast: the largest input's draw is alive with the others
+    drawn = max((8 * math.prod(dims) for _, dims in specs.values()), default=0)
+    total = sum(sizes.values())
+    if total + drawn > available:
+        name = max(sizes, key=sizes.get)
+        dtype, dims = specs[name]
+        raise GraphoptError(
+            f"--check: the random inputs need {human(total)} ({human(total + drawn)} while "
+            f"drawn; the largest, input {name!r} {dims} {dtype.name}, "
+            f"{human(sizes[name])}), more than {where}; {lift}")
+    dims = {n: d for n, (_, d) in specs.items()}
+    for which, model in zip(("original", "optimized"), models, strict=False):
+        peak = estimate_peak(model, dims)  # None: the executor cannot plan it
+        if peak is not None and peak > available:
+            raise GraphoptError(
+                f"--check: running the {which} model on these inputs has a planned peak "
+                f"memory of {human(peak)}, more than {where}; {lift}")
+
+
+def random_inputs(model: onnx.ModelProto, rng: np.random.Generator,
+                  shapes: dict[str, list[int]] | None = None) -> dict[str, np.ndarray]:
+    """One random array per graph input that is not an initializer."""
+    feeds = {}
+    for name, (dtype, dims) in input_specs(model, shapes).items():
         if np.issubdtype(dtype, np.floating):
-            feeds[value.name] = rng.standard_normal(dims).astype(dtype)
+            feeds[name] = rng.standard_normal(dims).astype(dtype)
         elif dtype == np.bool_:
-            feeds[value.name] = rng.integers(0, 2, dims).astype(bool)
+            feeds[name] = rng.integers(0, 2, dims).astype(bool)
         else:   # indices: small non-negative values stay in range for Gather and friends
-            feeds[value.name] = rng.integers(0, 2, dims).astype(dtype)
+            feeds[name] = rng.integers(0, 2, dims).astype(dtype)
     return feeds
 
 
@@ -114,6 +176,7 @@ def check(original: onnx.ModelProto, optimized: onnx.ModelProto, runs: int, *,
           seed: int = 0) -> CheckResult:
     if runs < 1:
         raise GraphoptError(f"--check N needs N >= 1, not {runs}")
+    refuse_what_cannot_fit((original, optimized), shapes)  # before weights, inputs, runtimes
     original = _with_weights(original, base_dir)
     optimized = _with_weights(optimized, base_dir)
     runtime, run_original = _runner(original)

@@ -19,10 +19,11 @@ class KernelContext:
     that ``Session.run`` holds lowered between small products (blas_threads.BlasThreads);
     ``spares`` the large arrays earlier steps and runs released (host_memory.SpareBlocks;
     None on a GPU, where CuPy's memory pool does the same, and where the environment says
-    ``GRAPHOPT_KEEP_HOST_MEMORY=0``), handed out by ``large_out``."""
+    ``GRAPHOPT_KEEP_HOST_MEMORY=0``), handed out by ``large_out``; ``memory`` the session's
+    MemoryGuard (None when the memory check is off), which memory.check_allocation asks."""
 
     __slots__ = ("backend", "xp", "numerics", "training", "yield_feeds", "donated", "blas",
-                 "spares", "_rng", "_node_rngs", "_host_constants", "_host_made")
+                 "spares", "memory", "_rng", "_node_rngs", "_host_constants", "_host_made")
 
     def __init__(self, backend: ArrayBackend, numerics: Any, training: bool, seed: int | None):
         self.backend = backend
@@ -33,6 +34,7 @@ class KernelContext:
         self.donated: tuple = ()
         self.blas = BlasThreads()
         self.spares = SpareBlocks() if self.xp is np and keeps_memory() else None
+        self.memory = None
         self._rng = np.random.default_rng(seed)
         self._node_rngs: dict[str, np.random.Generator] = {}
         # Host copies of small integer device arrays (shapes, axes): id -> (array, host copy).

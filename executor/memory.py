@@ -11,18 +11,31 @@ executes. Tensors whose size stays unknown (data-dependent shapes) count as zero
 estimate is a lower bound: it refuses only what certainly cannot fit. A kernel without an
 output-size estimate makes the guard refuse the graph rather than count it as free.
 
+What the plan could not see is checked when it runs: a kernel whose output size comes from
+the data (ConstantOfShape, Range, Tile, Expand, OneHot, Pad, NonZero) calls
+``check_allocation`` with the shape it is about to allocate, and when the plan did not count
+that size, the bytes live at that moment plus the new output must fit, or the run stops
+there (AllocationLimitError) before the allocation.
+
 Available memory: CPU, /proc/meminfo MemAvailable (else sysconf), capped by a cgroup limit
-when there is one; GPU, cupy.cuda.runtime.memGetInfo(). ``GRAPHOPT_MEMORY_LIMIT`` (bytes,
-or with a K/M/G/T suffix) replaces the device's figure; ``off`` disables the check.
+when there is one; GPU, cupy.cuda.runtime.memGetInfo(). ``GRAPHOPT_MEMORY_LIMIT`` replaces
+the device's figure: bytes as an integer or decimal with an optional K/M/G/T suffix (powers
+of 1024; ``512M``, ``1.5G``, ``2GiB``, ``64MB``), or ``off`` (also ``0``) to disable the check.
+Anything else (``nan``, ``1e400``, ``-1G``, ``one gig``) is refused where the limit is read
+(MemorySettingError), never taken for "no limit".
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
+from fractions import Fraction
 
 import numpy as np
 import onnx
+
+from graphopt.errors import GraphoptError
 
 from .errors import ExecutorError
 from .output_sizes import NoSizeEstimateError, output_types
@@ -41,19 +54,65 @@ class MemoryLimitError(ExecutorError):
             f"{device} ({where}); nothing was run")
 
 
+class AllocationLimitError(MemoryLimitError):
+    """A node's output, whose size came from the data, would not fit next to what is live;
+    the run stopped before allocating it."""
+
+    def __init__(self, node, shape, dtype, nbytes: int, live: int, available: int,
+                 device: str):
+        self.peak, self.available, self.device = live + nbytes, available, device
+        self.nbytes, self.live = nbytes, live
+        ExecutorError.__init__(
+            self,
+            f"node {node.label()} would allocate {human(nbytes)} ({nbytes} bytes) for its "
+            f"output {list(shape)} {np.dtype(dtype).name}, a size that came from the data, "
+            f"with {human(live)} already live: more than the {human(available)} available "
+            f"on {device} ({limit_source()}); nothing more was run (a higher "
+            f"{ENV}, or {ENV}=off, lifts the limit)")
+
+
+class MemorySettingError(ExecutorError, GraphoptError):
+    """GRAPHOPT_MEMORY_LIMIT says something that is not a size (nor ``off``)."""
+
+
 def gib(n: int) -> str:
     return f"{n / (1 << 30):.1f} GiB"
 
 
+def human(n: int) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1 (``381.5 MiB``)."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
+
+
+def limit_source() -> str:
+    """Where the available figure came from, for messages."""
+    override = os.environ.get(ENV)
+    return f"{ENV}={override.strip()}" if override else "the memory free at start"
+
+
 # ---- available memory ------------------------------------------------------------------
-def _parse_limit(text: str) -> int | None:
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = text[-1:] if text[-1:] in _UNITS and not text[-1:].isdigit() else ""
-    number = text[: len(text) - len(unit)] if unit else text
-    try:
-        return int(float(number) * _UNITS[unit])
-    except ValueError:
+_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(?:([KMGT])(?:I?B)?|B)?", re.IGNORECASE)
+
+
+def parse_limit(text: str) -> int | None:
+    """Bytes of a ``GRAPHOPT_MEMORY_LIMIT`` value; None for ``off`` (or ``0``). Anything
+    else than a size raises MemorySettingError: a guard silently turned off by a typo is
+    the failure this exists to prevent."""
+    word = text.strip()
+    if word.lower() == "off" or word == "0":
         return None
+    match = _SIZE.fullmatch(word)
+    limit = (int(Fraction(match[1]) * _UNITS[(match[2] or "").upper()])
+             if match is not None else 0)
+    if limit < 1:
+        raise MemorySettingError(
+            f"{ENV}={text!r} is not a memory size: give bytes as an integer or decimal with "
+            f"an optional K, M, G or T suffix (512M, 1.5G, 2GiB), or off to turn the memory "
+            f"check off")
+    return limit
 
 
 def _cpu_available() -> int | None:
@@ -95,12 +154,12 @@ def _gpu_available(xp) -> int | None:
 
 
 def available_bytes(backend) -> int | None:
-    """Bytes the device can still give, or None when unknown (or the check is off)."""
+    """Bytes the device can still give, or None when unknown (or the check is off). An
+    empty GRAPHOPT_MEMORY_LIMIT counts as unset; one that is not a size raises
+    MemorySettingError (also a GraphoptError: the CLI prints it as one line)."""
     override = os.environ.get(ENV)
     if override:
-        if override.strip().lower() in ("off", "none", "0", "no"):
-            return None
-        return _parse_limit(override)
+        return parse_limit(override)
     if getattr(backend, "is_gpu", False):
         return _gpu_available(backend.xp)
     return _cpu_available()
@@ -287,6 +346,11 @@ class MemoryGuard:
         self.types = self._infer() if self.available is not None else {}
         self._cache: dict[tuple, dict[str, int | None]] = {}
         self._verdicts: dict[tuple, int] = {}
+        # during a run: its slot values (Session.run sets them) and the sizes its plan counted
+        self.values: list | None = None
+        self.run_sizes: Mapping[str, int | None] | None = None
+        self._resident_owners = frozenset(id(_owner(a)) for a in
+                                          session._initializers.values())
 
     def _constant(self, name: str):
         value = self.session._initializers.get(name)
@@ -320,13 +384,14 @@ class MemoryGuard:
             return None
         shapes = {n: tuple(int(d) for d in getattr(v, "shape", ())) for n, v in feeds.items()}
         key = tuple(sorted(shapes.items()))
+        sizes = self._cache.get(key)
+        self.run_sizes = sizes  # None (the cache was full): check_allocation counts all
         verdict = self._verdicts.get((id(plan), key))
         if verdict is not None:  # a training loop: same plan, same shapes, every step
             if verdict > self.available:
                 raise MemoryLimitError(verdict, self.available, self.device,
                                        "for these feed shapes, before running")
             return verdict
-        sizes = self._cache.get(key)
         if sizes is None:
             symbols: dict[str, int] = {}
             for name, shape in shapes.items():
@@ -339,6 +404,7 @@ class MemoryGuard:
                 sizes = self._sizes(symbols, self._infer(shapes))
             if len(self._cache) < 64:
                 self._cache[key] = sizes
+            self.run_sizes = sizes
         fed = {n: int(getattr(v, "nbytes", 0)) for n, v in feeds.items()}
         peak, _ = planned_peak(plan, sizes, self.resident, fed)
         if len(self._verdicts) < 256:
@@ -347,3 +413,100 @@ class MemoryGuard:
             raise MemoryLimitError(peak, self.available, self.device,
                                    "for these feed shapes, before running")
         return peak
+
+    def check_allocation(self, node, shape: Sequence[int], dtype) -> None:
+        """See the module function: refuse an output the plan did not count when it does
+        not fit beside what is live now."""
+        nbytes = np.dtype(dtype).itemsize
+        for d in shape:
+            d = int(d)
+            if d < 0:
+                return  # not a shape: the kernel itself says what is wrong
+            nbytes *= d  # Python ints: no overflow
+        sizes = self.run_sizes
+        if sizes is not None and node.outputs and sizes.get(node.outputs[0]) == nbytes:
+            return  # the planned peak, checked at run start, counted it
+        live = self.live_bytes()
+        if live + nbytes > self.available:
+            raise AllocationLimitError(node, shape, dtype, nbytes, live, self.available,
+                                       self.device)
+
+    def live_bytes(self) -> int:
+        """Bytes held now by the session's initializers and the running plan's slots, each
+        buffer once (a view counts as the array it views)."""
+        total, seen = self.resident, set(self._resident_owners)
+        for value in self.values or ():
+            if value is None:
+                continue
+            owner = _owner(value)
+            if id(owner) not in seen:
+                seen.add(id(owner))
+                total += int(getattr(owner, "nbytes", 0))
+        return total
+
+
+def _owner(array):
+    """The array whose memory ``array`` views (itself when it owns it)."""
+    base = getattr(array, "base", None)
+    while base is not None and hasattr(base, "nbytes"):
+        array, base = base, getattr(base, "base", None)
+    return array
+
+
+def check_allocation(ctx, node, shape: Sequence[int], dtype) -> None:
+    """Call in a kernel before it allocates an output whose shape came from the data (input
+    values read on the host, not only input shapes): the planned peak, checked before the run
+    started, could not count it. Raises AllocationLimitError, naming the node, when the
+    session's live bytes plus that output would exceed the available memory; costs one
+    attribute test when the memory check is off and a dict lookup when the plan had counted
+    the output."""
+    guard = ctx.memory
+    if guard is not None:
+        guard.check_allocation(node, shape, dtype)
+
+
+def estimate_peak(model: onnx.ModelProto, input_shapes: Mapping[str, Sequence[int]]) -> int | None:
+    """The executor's planned peak bytes for ``model`` run on the CPU with inputs of
+    ``input_shapes`` (what ``optimize --check`` is about to feed), estimated before anything
+    is loaded or allocated; None when the executor cannot plan the model (an op it has no
+    kernel or size estimate for, an invalid graph)."""
+    from .plan import PlannedNode, build_plan, decode_attributes, topological_order
+    from .registry import lookup, normalize_domain
+
+    graph = model.graph
+    opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
+    try:
+        nodes = []
+        for index, proto in enumerate(graph.node):
+            domain = normalize_domain(proto.domain)
+            node = PlannedNode(index=index, name=proto.name or f"{proto.op_type}_{index}",
+                               op_type=proto.op_type, domain=domain,
+                               opset=opsets.get(domain, 1), inputs=tuple(proto.input),
+                               outputs=tuple(proto.output), attrs=decode_attributes(proto))
+            node.spec = lookup(domain, proto.op_type, node.opset)
+            if node.spec is None:
+                return None
+            nodes.append(node)
+        initializers = {t.name: t for t in graph.initializer}
+        inputs = [vi.name for vi in graph.input if vi.name not in initializers]
+        available = inputs + [n for n in initializers if n not in inputs]
+        ordered = topological_order(nodes, available)
+        plan = build_plan(ordered, available, [o.name for o in graph.output])
+        overridable = {vi.name for vi in graph.input} & set(initializers)
+
+        def constant(name):
+            t = initializers.get(name)
+            if (t is None or name in overridable or t.data_location == onnx.TensorProto.EXTERNAL
+                    or _bytes(t.data_type, list(t.dims), {}) is None
+                    or np.prod(list(t.dims), dtype=object) > 4096):
+                return None
+            return onnx.numpy_helper.to_array(t)
+
+        types = complete_types(ordered, model, infer_types(model, input_shapes), constant)
+    except Exception:  # noqa: BLE001 (no kernel or size estimate, an odd graph: the
+        return None    # runtime will say what is wrong; here there is just no estimate)
+    sizes = {name: _bytes(elem, dims, {}) for name, (elem, dims) in types.items()}
+    resident = sum(_bytes(t.data_type, list(t.dims), {}) or 0 for t in graph.initializer)
+    feeds = {n: sizes.get(n) or 0 for n in inputs}
+    peak, _ = planned_peak(plan, sizes, resident, feeds)
+    return peak

@@ -155,6 +155,8 @@ class Session:
             preload_compiled_kernels(node.op_type for node in nodes)
         self._plans: dict[tuple[str, ...], Plan] = {}
         self._memory = MemoryGuard(self)
+        # kernels whose output size comes from the data check it when they run
+        self._ctx.memory = self._memory if self._memory.available is not None else None
         # plan the graph outputs now: model errors (and plans that cannot fit) surface here
         self._memory.check_plan(self.plan())
 
@@ -289,6 +291,7 @@ class Session:
         # small products keep BLAS on one thread until a large one or the end; runs of one
         # plan and feed shapes learn where their mid-size products run faster (blas_threads)
         blas.hold((id(plan),) + tuple(getattr(v, "shape", None) for v in checked.values()))
+        self._memory.values = values  # what is live, for memory.check_allocation
         try:
             for index, step in enumerate(plan.steps):
                 args = [values[s] if s >= 0 else None for s in step.in_slots]
@@ -331,6 +334,7 @@ class Session:
                     observer(index, step.node.name, live)
             blas.run_completed()
         finally:
+            self._memory.values = None
             blas.release()
             if spares is not None:
                 spares.end_run(kept_bytes)

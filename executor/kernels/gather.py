@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from ..memory import check_allocation
 from ..registry import kernel
 from ._scatter import check_bounds, linear_index, scatter_rows
 from ._util import norm_axis
@@ -104,6 +105,8 @@ def one_hot(ctx, node, indices, depth, values):
     axis = node.attr("axis")
     rank = indices.ndim + 1
     axis = norm_axis(axis, rank)
+    shape = list(indices.shape)
+    check_allocation(ctx, node, shape[:axis] + [depth] + shape[axis:], values.dtype)
     idx = indices.astype(np.int64)
     idx = xp.where(idx < 0, idx + depth, idx)
     hot = xp.expand_dims(idx, axis) == xp.arange(depth).reshape(
@@ -126,4 +129,5 @@ def top_k(ctx, node, x, k):
 
 @kernel("NonZero", since=9)
 def non_zero(ctx, node, x):
+    check_allocation(ctx, node, [x.ndim, int(ctx.xp.count_nonzero(x))], np.int64)
     return ctx.xp.stack(ctx.xp.nonzero(x)).astype(np.int64).reshape(x.ndim, -1)

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from ..memory import check_allocation
 from ..registry import kernel
 from ._util import norm_axis
 
@@ -186,27 +187,36 @@ def slice_(ctx, node, x, starts, ends, axes=None, steps=None):
 def expand(ctx, node, x, shape_tensor):
     target = ctx.host_ints(shape_tensor)
     out_shape = np.broadcast_shapes(tuple(x.shape), tuple(target))
+    check_allocation(ctx, node, out_shape, x.dtype)
     return ctx.xp.broadcast_to(x, out_shape).copy()
 
 
 @kernel("Tile", since=6)
 def tile(ctx, node, x, repeats):
-    return ctx.xp.tile(x, ctx.host_ints(repeats))
+    repeats = ctx.host_ints(repeats)
+    check_allocation(ctx, node, [d * r for d, r in zip(x.shape, repeats, strict=False)],
+                     x.dtype)
+    return ctx.xp.tile(x, repeats)
 
 
 @kernel("Range", since=11)
 def range_(ctx, node, start, limit, delta):
     s, lim, d = (ctx.host_scalar(v) for v in (start, limit, delta))
     count = max(int(np.ceil((lim - s) / d)), 0)
-    return (start.reshape(())
-            + ctx.xp.arange(count, dtype=start.dtype) * delta.reshape(())).astype(start.dtype)
+    check_allocation(ctx, node, [count], start.dtype)
+    out = ctx.xp.arange(count, dtype=start.dtype)  # start + i * delta, in place: one array
+    out *= delta.reshape(())
+    out += start.reshape(())
+    return out
 
 
 @kernel("ConstantOfShape", since=9)
 def constant_of_shape(ctx, node, shape_tensor):
     value = node.attrs.get("value")
     value = np.zeros(1, dtype=np.float32) if value is None else value
-    return ctx.xp.full(ctx.host_ints(shape_tensor), value.reshape(-1)[0], dtype=value.dtype)
+    shape = ctx.host_ints(shape_tensor)
+    check_allocation(ctx, node, shape, value.dtype)
+    return ctx.xp.full(shape, value.reshape(-1)[0], dtype=value.dtype)
 
 
 @kernel("Trilu", since=14)
@@ -232,6 +242,8 @@ def pad(ctx, node, x, pads, constant_value=None, axes=None):
                  for i, (b, a) in enumerate(widths))
     x = x[crop]
     widths = [(max(b, 0), max(a, 0)) for b, a in widths]
+    check_allocation(ctx, node, [d + b + a for d, (b, a) in zip(x.shape, widths, strict=True)],
+                     x.dtype)
     if mode == "constant":
         value = (0 if constant_value is None or constant_value.size == 0
                  else ctx.host_scalar(constant_value))
