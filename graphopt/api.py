@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import difflib
+import operator
 import os
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import onnx
 
@@ -18,6 +19,7 @@ from .registry import all_rules
 from .report import Report
 
 PROVIDERS = ("cpu", "cuda", "rocm")
+INT64_MAX = 2**63 - 1   # the largest dimension an ONNX shape (int64 dim_value) can hold
 
 
 def unknown_rule(name: str, known: Iterable[str]) -> GraphoptError:
@@ -28,13 +30,33 @@ def unknown_rule(name: str, known: Iterable[str]) -> GraphoptError:
     return GraphoptError(f"unknown rule '{name}' ({hint}list them with: graphopt rules)")
 
 
+def rule_names(names, what: str) -> list[str]:
+    """``names`` (``only``, ``enable``, ``disable``, ``explain``) as a list of rule names: None
+    is none, one string is one name; anything but strings is refused in one line."""
+    if names is None:
+        return []
+    if isinstance(names, str):
+        return [names]
+    try:
+        names = list(names)
+    except TypeError:
+        raise GraphoptError(f"{what} must be rule names (strings), not "
+                            f"{type(names).__name__} {names!r}") from None
+    for name in names:
+        if not isinstance(name, str):
+            raise GraphoptError(f"{what}: rule names are strings, not {type(name).__name__} "
+                                f"{name!r} (list them with: graphopt rules)")
+    return names
+
+
 def select_rules(rules: Iterable | None = None, *, level: int = 2, enable: Iterable[str] = (),
                  disable: Iterable[str] = (), provider: str | None = None,
                  only: Iterable[str] = ()) -> list[Rule | Pass]:
     """Rules by level, plus ``enable``, minus ``disable``, filtered by provider. ``only``:
     just these rules, whatever their level (``disable`` and ``provider`` still apply)."""
     known = all_rules()
-    only = list(only)
+    only, enable = rule_names(only, "only"), rule_names(enable, "enable")
+    disable = rule_names(disable, "disable")
     if level not in (1, 2):
         raise GraphoptError(f"level must be 1 or 2, not {level}")
     if provider is not None and provider not in PROVIDERS:
@@ -48,11 +70,19 @@ def select_rules(rules: Iterable | None = None, *, level: int = 2, enable: Itera
         chosen = [r for r in known.values() if r.level <= level]
     else:
         chosen = []
+        if isinstance(rules, (str, Rule, Pass)):
+            rules = [rules]
+        elif not isinstance(rules, Iterable):
+            raise GraphoptError(f"rules: rule names are strings (or Rule/Pass objects), "
+                                f"not {type(rules).__name__} {rules!r}")
         for rule in rules:
             if isinstance(rule, str):
                 if rule not in known:
                     raise unknown_rule(rule, known)
                 rule = known[rule]
+            elif not isinstance(rule, (Rule, Pass)):
+                raise GraphoptError(f"rules: rule names are strings (or Rule/Pass "
+                                    f"objects), not {type(rule).__name__} {rule!r}")
             chosen.append(rule)
     names = {r.name for r in chosen}
     chosen += [known[n] for n in enable if n not in names]
@@ -65,13 +95,16 @@ def select_rules(rules: Iterable | None = None, *, level: int = 2, enable: Itera
 def optimize(model, rules: Iterable | None = None, *, level: int = 2,
              enable: Iterable[str] = (), disable: Iterable[str] = (),
              provider: str | None = None, explain: Iterable[str] = (),
-             check_input: bool = True) -> tuple[onnx.ModelProto, Report]:
-    """Rewrite ``model`` (a path, a ModelProto or a loaded Model) with the selected rules.
+             check_input: bool = True, only: Iterable[str] = ()) -> tuple[onnx.ModelProto, Report]:
+    """Rewrite ``model`` (a path, a ModelProto or a loaded Model) with the selected rules
+    (:func:`select_rules`; ``only``: just these rules, as ``graphopt optimize --only``).
 
     Returns the rewritten ModelProto and a Report. The input ModelProto is not modified."""
+    selection = {"rules": rules, "level": level, "enable": rule_names(enable, "enable"),
+                 "disable": rule_names(disable, "disable"), "provider": provider,
+                 "only": rule_names(only, "only")}
+    explain = rule_names(explain, "explain")
     loaded = model if isinstance(model, Model) else modelio.load(model, check=check_input)
-    selection = {"rules": rules, "level": level, "enable": enable, "disable": disable,
-                 "provider": provider}
     return optimize_loaded(loaded, select_rules(**selection), explain=explain,
                            selection=selection)
 
@@ -81,7 +114,8 @@ def why_not_selected(name: str, *, rules: Iterable | None = None, level: int = 2
                      provider: str | None = None, only: Iterable[str] = ()) -> str:
     """Why select_rules (same arguments) left the rule ``name`` out, for --explain."""
     rule = all_rules().get(name)
-    only = list(only)
+    only, enable, disable = (rule_names(n, w) for n, w in
+                             ((only, "only"), (enable, "enable"), (disable, "disable")))
     if rule is None:
         return "not selected"
     if name in set(disable):
@@ -108,7 +142,7 @@ def _optimize_model(model: Model, rules: list, *, explain: Iterable[str] = (),
                     selection: dict | None = None):
     """(the validated Model, which is not ``model`` when a careful replay rolled a rewrite
     back, and the Report)."""
-    explain = list(explain)
+    explain = rule_names(explain, "explain")
     known = {r.name for r in all_rules().values()} | {r.name for r in rules}
     for name in explain:
         if name not in known:
@@ -227,7 +261,7 @@ def optimize_file(source: str, out: str | None, *, in_place: bool = False, dry_r
         before_save(original, optimized)   # e.g. --check: raises to write nothing
     if not dry_run:
         try:
-            modelio.save(model, target)
+            report.written = modelio.save(model, target)
         except OSError as exc:
             raise GraphoptError(f"{target}: cannot write: {exc.strerror or exc}") from None
     report.model = os.fspath(source)
@@ -244,7 +278,37 @@ def parse_input_shape(text: str) -> tuple[str, list[int]]:
     if not values or any(v < 1 for v in values):
         raise GraphoptError(f"--input-shape {text!r}: expected NAME:DIM,DIM,... with positive "
                             "integers, e.g. input_ids:1,128")
+    _check_dims_fit(name, values)
     return name, values
+
+
+def _check_dims_fit(name: str, dims: list[int]) -> None:
+    for index, value in enumerate(dims):
+        if value > INT64_MAX:
+            raise GraphoptError(f"--input-shape {name}: dimension {index} is {value}, more than "
+                                f"an ONNX dimension can hold (int64, at most {INT64_MAX})")
+
+
+def _checked_shape(name, dims) -> list[int]:
+    """One entry of ``input_shapes`` (the Python API's, or the parsed ``--input-shape``): a
+    sequence of positive integers that fit an ONNX dimension (int64)."""
+    if not isinstance(name, str):
+        raise GraphoptError(f"input_shapes: input names are strings, not "
+                            f"{type(name).__name__} {name!r}")
+    try:
+        if isinstance(dims, (str, bytes)):
+            raise TypeError
+        values = [operator.index(d) for d in dims]
+        if any(isinstance(d, bool) for d in dims):
+            raise TypeError
+    except TypeError:
+        raise GraphoptError(f"--input-shape {name}: the dimensions must be integers, not "
+                            f"{dims!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise GraphoptError(f"--input-shape {name}: the dimensions must be positive integers, "
+                            f"not {values}")
+    _check_dims_fit(name, values)
+    return values
 
 
 def fix_input_shapes(proto: onnx.ModelProto, shapes: dict[str, list[int]]) -> onnx.ModelProto:
@@ -253,6 +317,10 @@ def fix_input_shapes(proto: onnx.ModelProto, shapes: dict[str, list[int]]) -> on
     graph = proto.graph
     initializers = {t.name for t in graph.initializer}
     inputs = {i.name: i for i in graph.input if i.name not in initializers}
+    if not isinstance(shapes, Mapping):
+        raise GraphoptError(f"input_shapes must map input names to dimensions, not "
+                            f"{type(shapes).__name__}")
+    shapes = {name: _checked_shape(name, dims) for name, dims in shapes.items()}
     for name, dims in shapes.items():
         if name not in inputs:
             close = difflib.get_close_matches(name, list(inputs), n=1)

@@ -31,6 +31,16 @@ class Engine:
     def __init__(self, rules: Sequence[Rule | Pass], *, explain: Sequence[str] = (),
                  max_rewrites: int | None = None, validate_each: bool = False):
         self.rules = list(rules)
+        for rule in self.rules:
+            if not isinstance(rule, (Rule, Pass)):
+                raise GraphoptError(f"the engine runs Rule and Pass objects, not "
+                                    f"{type(rule).__name__} {rule!r} (select rules by name "
+                                    "with graphopt.select_rules)")
+        explain = [explain] if isinstance(explain, str) else list(explain)
+        for name in explain:
+            if not isinstance(name, str):
+                raise GraphoptError(f"explain: rule names are strings, not "
+                                    f"{type(name).__name__} {name!r}")
         self.explain = set(explain)
         self.max_rewrites = max_rewrites
         self.validate_each = validate_each

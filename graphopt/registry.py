@@ -18,7 +18,15 @@ def register(*rules: Rule | Pass) -> None:
     for rule in rules:
         if not isinstance(rule, (Rule, Pass)):
             raise TypeError(f"not a Rule or Pass: {rule!r}")
+        _check_name(rule, "graphopt.register")
         _registered[rule.name] = rule
+
+
+def _check_name(rule: Rule | Pass, source: str) -> None:
+    """Rules are selected, sorted and reported by name: a name must be a non-empty string."""
+    if not isinstance(rule.name, str) or not rule.name:
+        raise GraphoptError(f"{source}: a rule's name must be a non-empty string, not "
+                            f"{type(rule.name).__name__} {rule.name!r}")
 
 
 def _rules_in(module) -> list[Rule | Pass]:
@@ -49,7 +57,10 @@ def plugin_rules() -> list[Rule | Pass]:
         except Exception as exc:  # a broken plugin must not break graphopt
             raise GraphoptError(f"rule plugin '{ep.name}' failed to load: {exc}") from None
         items = obj if isinstance(obj, (list, tuple)) else [obj]
-        rules.extend(r for r in items if isinstance(r, (Rule, Pass)))
+        for rule in items:
+            if isinstance(rule, (Rule, Pass)):
+                _check_name(rule, f"rule plugin '{ep.name}'")
+                rules.append(rule)
     return rules
 
 

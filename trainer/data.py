@@ -34,29 +34,39 @@ _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # a zip member's local file header
 class NpzArrays(Mapping):
     """A .npz archive as a read-only mapping that reads nothing until an array is asked for.
 
-    Listing the names reads the zip directory; each array's .npy header (dtype, shape) is
-    read, and its size checked against the memory the machine has, before a byte of its
-    data is decompressed. Arrays stored uncompressed (``np.savez``) are memory-mapped, so
-    batches are copied out row by row; compressed ones (``np.savez_compressed``) are
-    decompressed when first read. Arrays the graph never reads cost nothing."""
+    Listing the names reads the zip directory, once: the archive stays open, so asking for
+    one array never parses the directory again (it did per array, which made an archive of
+    8,000 members take minutes to open). Each array's .npy header (dtype, shape) is read,
+    and its size checked against the memory the machine has, before a byte of its data is
+    decompressed. Arrays stored uncompressed (``np.savez``) are memory-mapped, so batches
+    are copied out row by row; compressed ones (``np.savez_compressed``) are decompressed
+    when first read. Arrays the graph never reads cost nothing: not even their headers."""
 
     def __init__(self, path: str):
         self.path = path
         try:
-            with zipfile.ZipFile(path) as archive:
-                infos = archive.infolist()
+            self._archive = zipfile.ZipFile(path)
+            infos = self._archive.infolist()
         except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise GraphoptError(f"--data {path}: not a readable .npz file ({reason})") from None
         self._members = {info.filename.removesuffix(".npy"): info for info in infos
                          if not info.is_dir()}
         self._loaded: dict[str, np.ndarray] = {}
+        self._headers: dict[str, tuple] = {}   # name -> (shape, fortran, dtype, length)
+
+    def close(self) -> None:
+        """Close the archive (arrays already read, memory maps included, stay valid)."""
+        self._archive.close()
 
     def __iter__(self):
         return iter(self._members)
 
     def __len__(self) -> int:
         return len(self._members)
+
+    def __contains__(self, name) -> bool:
+        return name in self._members
 
     def __getitem__(self, name: str) -> np.ndarray:
         array = self._loaded.get(name)
@@ -68,35 +78,42 @@ class NpzArrays(Mapping):
                 raise
             except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
                 # zlib.error: a damaged member of a compressed (np.savez_compressed) archive
-                reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                raise GraphoptError(f"--data {self.path}: not a readable .npz file (array "
-                                    f"{name!r}: {reason})") from None
+                raise self._unreadable(name, exc) from None
             self._loaded[name] = array
         return array
+
+    def _unreadable(self, name: str, exc: BaseException) -> GraphoptError:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return GraphoptError(f"--data {self.path}: not a readable .npz file (array "
+                             f"{name!r}: {reason})")
 
     def shape(self, name: str) -> tuple[int, ...]:
         """An array's shape from its .npy header, without reading its data."""
         array = self._loaded.get(name)
         if array is not None:
             return tuple(array.shape)
-        try:
-            with zipfile.ZipFile(self.path) as archive, archive.open(self._members[name]) as f:
-                version = np.lib.format.read_magic(f)
-                header = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
-                          else np.lib.format.read_array_header_2_0(f))
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
-            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise GraphoptError(f"--data {self.path}: not a readable .npz file (array "
-                                f"{name!r}: {reason})") from None
+        header = self._headers.get(name)
+        if header is None:
+            try:
+                with self._archive.open(self._members[name]) as stream:
+                    header = self._header(stream)
+            except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+                raise self._unreadable(name, exc) from None
+            self._headers[name] = header
         return tuple(header[0])
 
+    @staticmethod
+    def _header(stream) -> tuple:
+        version = np.lib.format.read_magic(stream)
+        shape, fortran, dtype = (np.lib.format.read_array_header_1_0(stream)
+                                 if version == (1, 0) else
+                                 np.lib.format.read_array_header_2_0(stream))
+        return shape, fortran, dtype, stream.tell()
+
     def _read(self, name: str, info: zipfile.ZipInfo) -> np.ndarray:
-        with zipfile.ZipFile(self.path) as archive, archive.open(info) as stream:
-            version = np.lib.format.read_magic(stream)
-            shape, fortran, dtype = (np.lib.format.read_array_header_1_0(stream)
-                                     if version == (1, 0) else
-                                     np.lib.format.read_array_header_2_0(stream))
-            header_length = stream.tell()
+        with self._archive.open(info) as stream:
+            shape, fortran, dtype, header_length = self._header(stream)
+            self._headers[name] = (shape, fortran, dtype, header_length)
             if dtype.hasobject:
                 raise GraphoptError(f"--data {self.path}: array {name!r} holds Python "
                                     "objects (pickles are never loaded)")
@@ -128,10 +145,33 @@ class NpzArrays(Mapping):
                          order="F" if fortran else "C")
 
 
-def array_shapes(arrays: Mapping) -> dict[str, tuple[int, ...]]:
-    """Every array's shape; an NpzArrays answers from the headers, reading no data."""
+class ArrayShapes(Mapping):
+    """Every array's shape by name, each read from its .npy header only when asked for:
+    the training graph needs the labels' shape, not the other members'."""
+
+    def __init__(self, arrays: NpzArrays):
+        self._arrays = arrays
+
+    def __getitem__(self, name: str) -> tuple[int, ...]:
+        if name not in self._arrays:
+            raise KeyError(name)
+        return self._arrays.shape(name)
+
+    def __contains__(self, name) -> bool:
+        return name in self._arrays
+
+    def __iter__(self):
+        return iter(self._arrays)
+
+    def __len__(self) -> int:
+        return len(self._arrays)
+
+
+def array_shapes(arrays: Mapping) -> Mapping[str, tuple[int, ...]]:
+    """Every array's shape; an NpzArrays answers from the headers, reading no data, and only
+    the headers of the arrays whose shape is asked for."""
     if isinstance(arrays, NpzArrays):
-        return {name: arrays.shape(name) for name in arrays}
+        return ArrayShapes(arrays)
     return {name: np.shape(value) for name, value in arrays.items()}
 
 

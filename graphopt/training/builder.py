@@ -53,8 +53,9 @@ def build_training_graph(model: onnx.ModelProto | TrainingGraph | str | os.PathL
     ``trainable``/``freeze``/``train``: names or fnmatch patterns of initializers; all
     floating-point initializers by default, see :mod:`.selection`.
     ``input_grads``: graph inputs (names or patterns) that also get a gradient output.
-    ``class_axis``/``ignore_index`` (cross_entropy): the logits' class axis (default 1; see
-    :func:`.losses.class_axis_for`) and the label value that does not count.
+    ``class_axis``/``ignore_index`` (cross_entropy only): the logits' class axis (default 1,
+    negative counts from the end; :func:`.losses.class_axis_for` finds it from the labels'
+    shape) and the label value that does not count (an int64); anything else is refused.
     ``weights_as_inputs``: list the trainable initializers as graph inputs too (with their
     values as defaults), as ORTModule does, so a training loop can feed updated weights and
     constant-folding rewrites leave them alone.

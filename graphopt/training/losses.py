@@ -17,6 +17,7 @@ from them and the forward nodes that compute them stay on the forward side.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import onnx
@@ -29,6 +30,7 @@ from .selection import Patterns, as_patterns
 
 LOSSES = (None, "output", "cross_entropy", "mse")
 DEFAULT_LABELS = {"cross_entropy": "labels", "mse": "target"}
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1   # the labels' type, and the attribute's
 
 
 @dataclass
@@ -48,6 +50,12 @@ def attach_loss(model: onnx.ModelProto, loss: str | None, outputs: Patterns,
     """Append the loss nodes (and the labels input) to ``model``; say what YieldOp gets."""
     if loss not in LOSSES:
         raise GraphoptError(f"unknown loss {loss!r}; choose one of {', '.join(map(repr, LOSSES))}")
+    given = [n for n, v in (("class_axis", class_axis), ("ignore_index", ignore_index))
+             if v is not None]
+    if given and loss != "cross_entropy":
+        raise GraphoptError(f"{' and '.join(given)} apply only to loss='cross_entropy', not "
+                            f"loss={loss!r}")
+    ignore_index = checked_ignore_index(ignore_index)
     graph = model.graph
     declared = {o.name: o for o in graph.output}
     chosen = as_patterns(outputs)
@@ -121,14 +129,65 @@ def _shape_without_class_axis(logits: onnx.ValueInfoProto, axis: int = 1) -> lis
     return dims[:axis] + dims[axis + 1:]  # SoftmaxCrossEntropyLoss: classes on axis 1
 
 
+def _integer(value, what: str) -> int:
+    """``value`` as a Python int (NumPy integers too); bools, floats and strings refused."""
+    if isinstance(value, bool):
+        raise GraphoptError(f"{what} must be an integer, not {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise GraphoptError(f"{what} must be an integer, not {type(value).__name__} "
+                            f"{value!r}") from None
+
+
+def checked_ignore_index(ignore_index) -> int | None:
+    """The label value cross_entropy ignores (``--ignore-index``): an integer the int64 labels
+    (and SoftmaxCrossEntropyLoss's int64 attribute) can hold."""
+    if ignore_index is None:
+        return None
+    value = _integer(ignore_index, "ignore_index (--ignore-index)")
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise GraphoptError(f"ignore_index (--ignore-index) {value} is outside int64, the "
+                            f"labels' type ({INT64_MIN} to {INT64_MAX}): no label can equal it")
+    return value
+
+
+def checked_class_axis(class_axis, logits: onnx.ValueInfoProto) -> int:
+    """An explicit class axis of ``logits`` (``--class-axis``; negative counts from the end),
+    as a positive axis; None: axis 1, SoftmaxCrossEntropyLoss's own."""
+    if class_axis is None:
+        return 1
+    axis = _integer(class_axis, "class_axis (--class-axis)")
+    dims = _dims(logits)
+    if dims is None:
+        if axis == 1:
+            return 1
+        raise GraphoptError(f"class_axis (--class-axis) {axis}: the logits {logits.name!r} "
+                            "declare no shape, so the classes can only be on axis 1")
+    rank = len(dims)
+    positive = axis + rank if axis < 0 else axis
+    if not 1 <= positive < rank:
+        raise GraphoptError(f"class_axis (--class-axis) {axis} is not a class axis of the "
+                            f"logits {logits.name!r} {_shown(dims)}: axis 0 is the batch, "
+                            f"the classes are on one of the axes 1 to {rank - 1}")
+    return positive
+
+
+def _shown(values) -> str:
+    return "[" + ", ".join("batch" if i == 0 else str(v if v is not None else "?")
+                           for i, v in enumerate(values)) + "]"
+
+
 def class_axis_for(logits: onnx.ValueInfoProto, labels_shape: tuple[int, ...],
-                   labels_name: str = "labels") -> int:
+                   labels_name: str = "labels", class_axis: int | None = None) -> int:
     """The class axis of ``logits`` given the labels' shape (batch axis included): the axis
-    whose removal leaves the labels' shape. Axis 1 (ONNX's and PyTorch's layout) wins a
-    tie; language models give [batch, seq, vocab] with labels [batch, seq]: the last axis."""
+    whose removal leaves the labels' shape; language models give [batch, seq, vocab] with
+    labels [batch, seq]: the last axis. When several axes qualify (seq == vocab, or dims
+    only named) nothing is guessed: one error names them and asks for ``class_axis``. An
+    explicit ``class_axis`` is checked against the labels' shape instead."""
     dims = _dims(logits)
     if dims is None or len(dims) < 2:
-        return 1
+        return checked_class_axis(class_axis, logits)
     labels_shape = tuple(labels_shape)
 
     def fits(axis: int) -> bool:
@@ -137,25 +196,35 @@ def class_axis_for(logits: onnx.ValueInfoProto, labels_shape: tuple[int, ...],
             not isinstance(d, int) or d == n or i == 0   # the batch axis is cut into batches
             for i, (d, n) in enumerate(zip(rest, labels_shape, strict=True)))
 
+    shown = _shown
+    described = (f"the logits {logits.name!r} are {shown(dims)} and the labels "
+                 f"{labels_name!r} {shown(labels_shape)}")
+    if class_axis is not None:
+        axis = checked_class_axis(class_axis, logits)
+        if not fits(axis):
+            raise GraphoptError(f"cross_entropy: {described}; without the class axis "
+                                f"{axis} (--class-axis) the logits are "
+                                f"{shown(dims[:axis] + dims[axis + 1:])}, not the labels' shape")
+        return axis
     candidates = [axis for axis in range(1, len(dims)) if fits(axis)]
+    if len(candidates) == 1:
+        return candidates[0]
     if candidates:
-        return 1 if 1 in candidates else candidates[0]
-
-    def shown(values) -> str:
-        return "[" + ", ".join("batch" if i == 0 else str(v if v is not None else "?")
-                               for i, v in enumerate(values)) + "]"
-
+        axes = ", ".join(map(str, candidates[:-1])) + f" or {candidates[-1]}"
+        choices = " or ".join(f"--class-axis {a}" for a in candidates)
+        raise GraphoptError(f"cross_entropy: {described}: the classes could be on axis {axes} "
+                            "(removing any of them leaves the labels' shape); say which with "
+                            f"{choices} (class_axis= in the Python API)")
     layouts = [f"{shown(dims[:a] + dims[a + 1:])} (classes on axis {a})"
                for a in sorted({1, len(dims) - 1})]
-    raise GraphoptError(f"cross_entropy: the logits {logits.name!r} are {shown(dims)} and the "
-                        f"labels {labels_name!r} {shown(labels_shape)}; the labels must be the "
+    raise GraphoptError(f"cross_entropy: {described}; the labels must be the "
                         f"logits' shape without the class axis: {' or '.join(layouts)}")
 
 
 def _cross_entropy(graph: onnx.GraphProto, logits: onnx.ValueInfoProto, labels: str,
                    names: NameGenerator, class_axis: int | None = None,
                    ignore_index: int | None = None) -> str:
-    axis = class_axis or 1
+    axis = checked_class_axis(class_axis, logits)
     graph.input.append(helper.make_tensor_value_info(labels, onnx.TensorProto.INT64,
                                                      _shape_without_class_axis(logits, axis)))
     scores = logits.name
@@ -166,7 +235,7 @@ def _cross_entropy(graph: onnx.GraphProto, logits: onnx.ValueInfoProto, labels: 
         graph.node.append(helper.make_node("Transpose", [logits.name], [scores], perm=perm,
                                            name=names.fresh("cross_entropy/Transpose")))
     loss = names.fresh("loss")
-    extra = {} if ignore_index is None else {"ignore_index": int(ignore_index)}
+    extra = {} if ignore_index is None else {"ignore_index": checked_ignore_index(ignore_index)}
     graph.node.append(helper.make_node("SoftmaxCrossEntropyLoss", [scores, labels], [loss],
                                        name=names.fresh("SoftmaxCrossEntropyLoss"),
                                        reduction="mean", **extra))

@@ -27,7 +27,7 @@ from ..report import Report
 from .builder import build_training_graph, list_weights_as_inputs
 from .float16 import to_float16
 from .graph import TrainingGraph, has_yield
-from .losses import DEFAULT_LABELS, class_axis_for
+from .losses import DEFAULT_LABELS, checked_ignore_index, class_axis_for
 from .selection import classify_initializers, select_trainable
 
 NAMED_LOSSES = ("cross_entropy", "mse", "output")
@@ -36,7 +36,8 @@ NAMED_LOSSES = ("cross_entropy", "mse", "output")
 def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
                      labels: str | None = None, freeze=(), train=(), level: int = 2,
                      float16: bool = False, disable: tuple[str, ...] = (),
-                     label_shapes: dict | None = None, ignore_index: int | None = None
+                     label_shapes: dict | None = None, ignore_index: int | None = None,
+                     class_axis: int | None = None
                      ) -> tuple[TrainingGraph, list[tuple[str, Report]]]:
     """(the optimized training graph, the rewrite report of each stage with its title).
 
@@ -44,8 +45,13 @@ def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
     scalar output); ``freeze``/``train``: patterns applied to the default selection
     (:func:`trained_params`); ``float16``: train a float16 copy (mixed or fp16 precision);
     ``label_shapes``: the data's array shapes by name, to find the logits' class axis for
-    cross_entropy; ``ignore_index``: the label value cross_entropy ignores."""
+    cross_entropy; ``ignore_index``: the label value cross_entropy ignores; ``class_axis``:
+    the logits' class axis, when the labels' shape leaves a choice (seq == vocab)."""
     reports: list[tuple[str, Report]] = []
+    if class_axis is not None and loss != "cross_entropy":
+        raise GraphoptError("class_axis (--class-axis) applies only to loss='cross_entropy'")
+    if loss == "cross_entropy":   # refused before any rewriting, as the builder would
+        ignore_index = checked_ignore_index(ignore_index)
     if has_yield(forward):
         if loss is not None or labels or freeze or train:
             raise GraphoptError("the model is already a training graph (it has a YieldOp); "
@@ -70,8 +76,8 @@ def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
         staged = to_float16(staged)
     arguments = _loss_arguments(loss, [o.name for o in forward.graph.output])
     if loss == "cross_entropy":
-        arguments.update(_cross_entropy_layout(forward, labels, label_shapes or {}),
-                         ignore_index=ignore_index)
+        arguments.update(_cross_entropy_layout(forward, labels, label_shapes or {},
+                                               class_axis), ignore_index=ignore_index)
     graph = build_training_graph(staged, labels_name=labels, train=params,
                                  trainable=params, **arguments)
     optimized, report = optimize(graph.proto, level=level, disable=list(disable),
@@ -109,14 +115,16 @@ def _loss_arguments(loss: str | None, outputs: list[str]) -> dict:
     return {"loss": None, "outputs": [loss]}
 
 
-def _cross_entropy_layout(forward: onnx.ModelProto, labels: str | None, shapes: dict) -> dict:
+def _cross_entropy_layout(forward: onnx.ModelProto, labels: str | None, shapes: dict,
+                          class_axis: int | None = None) -> dict:
     """The class axis of the logits, from the labels the data holds (HF causal LMs give
-    [batch, seq, vocab] logits for [batch, seq] labels: the last axis)."""
+    [batch, seq, vocab] logits for [batch, seq] labels: the last axis), or ``class_axis``
+    checked against them."""
     name = labels or DEFAULT_LABELS["cross_entropy"]
     outputs = list(forward.graph.output)
     if len(outputs) != 1 or name not in shapes:
-        return {}
-    return {"class_axis": class_axis_for(outputs[0], tuple(shapes[name]), name)}
+        return {} if class_axis is None else {"class_axis": class_axis}
+    return {"class_axis": class_axis_for(outputs[0], tuple(shapes[name]), name, class_axis)}
 
 
 def trained_params(forward: onnx.ModelProto, freeze=(), train=()) -> list[str]:

@@ -61,8 +61,11 @@ from .job import (
     Communicator,
     Distributed,
     DistSettings,
+    RefusedOnEveryRank,
     bind_device,
+    check_global_batch,
     import_mpi,
+    refuse_on_every_rank,
     start,
     world,
 )
@@ -80,7 +83,7 @@ __all__ = [
     "ABORT_GRACE", "EXIT_ERROR", "EXIT_TIMEOUT", "MIB", "SETUP_TIMEOUT_MIN", "Bucket",
     "Communicator", "DeviceBuckets", "DistSettings", "Distributed", "DistributedTrainer",
     "GradientReducer",
-    "MpiTransport", "NcclTransport", "ShardedBatches", "bind_device", "fingerprint",
-    "import_mpi", "make_transport", "nccl_unusable", "plan_buckets", "start",
-    "weights_checksum", "world",
+    "MpiTransport", "NcclTransport", "RefusedOnEveryRank", "ShardedBatches", "bind_device",
+    "check_global_batch", "fingerprint", "import_mpi", "make_transport", "nccl_unusable",
+    "plan_buckets", "refuse_on_every_rank", "start", "weights_checksum", "world",
 ]

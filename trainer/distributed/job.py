@@ -10,6 +10,7 @@ gradient buckets go through a transport (:mod:`.transport`).
 """
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import socket
@@ -38,12 +39,53 @@ class DistSettings:
     overlap: bool = True            # start bucket all-reduces during the backward pass
 
     def validate(self) -> None:
-        if not self.bucket_mb > 0:
-            raise GraphoptError(f"--bucket-mb must be positive, not {self.bucket_mb}")
-        if not self.timeout > 0:
-            raise GraphoptError(f"--dist-timeout must be positive, not {self.timeout}")
+        if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
+            raise GraphoptError(f"--bucket-mb must be a positive number of MiB, not "
+                                f"{self.bucket_mb:g}")
+        if not self.timeout > 0:   # inf: wait for ever
+            raise GraphoptError(f"--dist-timeout must be positive, not {self.timeout:g}")
         if self.check_every < 0:
             raise GraphoptError(f"--dist-check-every must be >= 0, not {self.check_every}")
+
+    @property
+    def bucket_bytes(self) -> int:
+        """Bytes per bucket: at least 1; a bucket over 1 TiB is as good as one for all."""
+        return max(1, int(min(self.bucket_mb, float(MIB)) * MIB))
+
+
+class RefusedOnEveryRank(GraphoptError):
+    """A refusal that every rank of the job reaches alike, at the same point, before any
+    rank waits on another (the settings; the global batch against the number of ranks):
+    rank 0 reports it in one line, the other ranks exit 1 quietly, and nobody aborts the
+    job, so the user reads one line instead of every rank's copy and MPI_Abort's."""
+
+
+def check_global_batch(batch_size: int, ranks: int) -> None:
+    """``--batch-size`` is the global batch: it must split evenly across the ranks. Every
+    rank decides alike, so the refusal is one line from rank 0 (:class:`RefusedOnEveryRank`)."""
+    if batch_size % ranks:
+        raise RefusedOnEveryRank(f"--batch-size {batch_size} is the global batch; it must be "
+                                 f"divisible by the {ranks} ranks (e.g. --batch-size "
+                                 f"{max(ranks, batch_size - batch_size % ranks)})")
+
+
+def _world_rank() -> int | None:
+    """This process's rank in MPI_COMM_WORLD (no collective: MPI_Init and a local query);
+    None where there is no MPI."""
+    try:
+        return int(import_mpi().COMM_WORLD.Get_rank())
+    except GraphoptError:
+        return None
+
+
+def refuse_on_every_rank(exc: GraphoptError):
+    """Refuse ``exc``, which every rank raises alike: rank 0 raises it (as a
+    :class:`RefusedOnEveryRank`), the others exit 1 without a word."""
+    if _world_rank():
+        raise SystemExit(EXIT_ERROR)
+    if isinstance(exc, RefusedOnEveryRank):
+        raise exc
+    raise RefusedOnEveryRank(str(exc)) from None
 
 
 def import_mpi():
@@ -167,7 +209,13 @@ class Communicator:
         self.abort(code)
 
     def fail(self, exc: BaseException) -> None:
-        """An error on this rank: say so and abort the job (the others would only wait)."""
+        """An error on this rank: say so and abort the job (the others would only wait).
+        A :class:`RefusedOnEveryRank` aborts nothing, every rank stops on its own: the
+        others exit 1 quietly here, rank 0 returns and its caller raises the error."""
+        if isinstance(exc, RefusedOnEveryRank):
+            if self.rank != 0:
+                raise SystemExit(EXIT_ERROR) from None
+            return
         if isinstance(exc, KeyboardInterrupt):
             self._report_and_abort("interrupted", 130)
         text = str(exc) if isinstance(exc, GraphoptError) else f"{type(exc).__name__}: {exc}"
@@ -270,8 +318,13 @@ class Distributed:
 
 
 def start(enabled: bool, bucket_mb: float | None = None, timeout: float | None = None,
-          check_every: int | None = None, overlap: bool | None = None) -> Distributed | None:
-    """The job's communicator for ``--distributed`` (None without it)."""
+          check_every: int | None = None, overlap: bool | None = None, *,
+          batch_size: int | None = None) -> Distributed | None:
+    """The job's communicator for ``--distributed`` (None without it).
+
+    The settings, and ``batch_size`` (the global batch, when it is known here) against the
+    number of ranks, are checked before the ranks do any collective work, alike on every
+    rank: a refusal is one line from rank 0 (:func:`refuse_on_every_rank`)."""
     given = {"--bucket-mb": bucket_mb, "--dist-timeout": timeout,
              "--dist-check-every": check_every, "--dist-overlap/--no-dist-overlap": overlap}
     if not enabled:
@@ -279,11 +332,28 @@ def start(enabled: bool, bucket_mb: float | None = None, timeout: float | None =
         if named:
             raise GraphoptError(f"{', '.join(named)} only apply with --distributed")
         return None
-    defaults = DistSettings()
-    settings = DistSettings(
-        defaults.bucket_mb if bucket_mb is None else float(bucket_mb),
-        defaults.timeout if timeout is None else float(timeout),
-        defaults.check_every if check_every is None else int(check_every),
-        defaults.overlap if overlap is None else bool(overlap))
-    settings.validate()
+    try:
+        settings = _settings(bucket_mb, timeout, check_every, overlap)
+        if batch_size is not None and batch_size >= 1:   # Batches refuses the others
+            check_global_batch(batch_size, import_mpi().COMM_WORLD.Get_size())
+    except GraphoptError as exc:
+        refuse_on_every_rank(exc)
     return Distributed(world(settings.timeout), settings)
+
+
+def _settings(bucket_mb, timeout, check_every, overlap) -> DistSettings:
+    defaults = DistSettings()
+    values = {}
+    for option, value, default, kind in (("--bucket-mb", bucket_mb, defaults.bucket_mb, float),
+                                         ("--dist-timeout", timeout, defaults.timeout, float),
+                                         ("--dist-check-every", check_every,
+                                          defaults.check_every, int)):
+        try:
+            values[option] = default if value is None else kind(value)
+        except (TypeError, ValueError, OverflowError):
+            raise GraphoptError(f"{option} must be a number, not {value!r}") from None
+    settings = DistSettings(values["--bucket-mb"], values["--dist-timeout"],
+                            values["--dist-check-every"],
+                            defaults.overlap if overlap is None else bool(overlap))
+    settings.validate()
+    return settings

@@ -10,6 +10,7 @@ import numpy as np
 from graphopt.errors import GraphoptError
 
 from ..data import Batches
+from .job import RefusedOnEveryRank, check_global_batch
 
 
 class ShardedBatches(Batches):
@@ -20,22 +21,28 @@ class ShardedBatches(Batches):
     def __init__(self, arrays: Mapping[str, np.ndarray], input_names: Sequence[str],
                  batch_size: int, seed: int, input_types: Mapping[str, tuple] | None,
                  rank: int, ranks: int):
-        if batch_size % ranks:
-            raise GraphoptError(f"--batch-size {batch_size} is the global batch; it must be "
-                                f"divisible by the {ranks} ranks")
-        super().__init__(arrays, input_names, batch_size, seed, None)
-        self.rank, self.ranks, self.local_batch = rank, ranks, batch_size // ranks
-        types = dict(input_types or {})
-        for name, (_, dims) in types.items():
-            if dims and isinstance(dims[0], int) and dims[0] != self.local_batch:
-                raise GraphoptError(f"graph input {name!r} has a fixed batch size {dims[0]}; "
-                                    f"with {ranks} ranks use --batch-size {dims[0] * ranks} "
-                                    "(the global batch)")
-        self.batch_size = self.local_batch   # the shape checks speak the per-rank batch
+        # Every refusal here follows from the command, the data and the graph, the same on
+        # every rank: each rank stops on its own, rank 0 says why (RefusedOnEveryRank)
         try:
-            self._check_types(types)
-        finally:
-            self.batch_size = batch_size
+            if batch_size >= 1:   # Batches refuses the others
+                check_global_batch(batch_size, ranks)
+            super().__init__(arrays, input_names, batch_size, seed, None)
+            self.rank, self.ranks, self.local_batch = rank, ranks, batch_size // ranks
+            types = dict(input_types or {})
+            for name, (_, dims) in types.items():
+                if dims and isinstance(dims[0], int) and dims[0] != self.local_batch:
+                    raise GraphoptError(f"graph input {name!r} has a fixed batch size "
+                                        f"{dims[0]}; with {ranks} ranks use --batch-size "
+                                        f"{dims[0] * ranks} (the global batch)")
+            self.batch_size = self.local_batch   # the shape checks speak the per-rank batch
+            try:
+                self._check_types(types)
+            finally:
+                self.batch_size = batch_size
+        except RefusedOnEveryRank:
+            raise
+        except GraphoptError as exc:
+            raise RefusedOnEveryRank(str(exc)) from None
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
         epoch, index = self.position(step)

@@ -59,7 +59,7 @@ class DistributedTrainer(Trainer):
             self.params = self._placed(self.params)
         self._device_step: tuple | None = None   # (scale, gradients, finite) of this step
         self.reducer = (reducer_class or GradientReducer)(
-            self, comm, self.transport, max(1, int(dist.bucket_mb * MIB)), dist.overlap)
+            self, comm, self.transport, dist.bucket_bytes, dist.overlap)
         self._agreed_stop = False
 
     @property
@@ -94,11 +94,11 @@ class DistributedTrainer(Trainer):
                                   self.setup_timeout)
             self.params[name] = self._placed({name: host})[name]
 
-    def _read_checkpoint(self, directory: str) -> ckpt.Checkpoint:
+    def _read_checkpoint(self, directory: str, check: ckpt.Check) -> ckpt.Checkpoint:
         state: object
         if self.comm.rank == 0:
             try:
-                state = ckpt.load(directory)
+                state = ckpt.load(directory, check)
             except GraphoptError as exc:
                 state = exc
         else:
