@@ -290,6 +290,9 @@ def list_rules():
               help="cross_entropy: labels equal to N do not count (default -100, as PyTorch; "
                    "padding in language-model batches). The class axis of the logits is the "
                    "one whose removal gives the labels' shape.")
+@click.option("--class-axis", type=int, metavar="AXIS",
+              help="cross_entropy: the logits' class axis, where two axes could be (e.g. a "
+                   "sequence as long as the vocabulary).")
 @click.option("--steps", type=int, help="Number of optimizer steps.")
 @click.option("--epochs", type=int, help="Number of passes over the data (instead of --steps).")
 @click.option("--batch-size", type=int, help="Samples per step (default 32).")
@@ -372,7 +375,7 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
         seed, save_graph, checkpoint, checkpoint_every, resume, log_file, plot, denormal_report,
         output, in_place, quiet, distributed, bucket_mb, dist_timeout, dist_check_every,
         dist_overlap, list_params, ignore_index, lr_schedule, warmup, clip_grad_norm,
-        eval_data, eval_every, allow_changed_graph):
+        eval_data, eval_every, allow_changed_graph, class_axis):
     """Train MODEL (or a built-in --example) with the graphopt executor.
 
     \b
@@ -396,7 +399,7 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
         distributed=distributed, bucket_mb=bucket_mb, dist_timeout=dist_timeout,
         dist_check_every=dist_check_every, dist_overlap=dist_overlap, ignore_index=ignore_index,
         lr_schedule=lr_schedule, warmup=warmup, clip_grad_norm=clip_grad_norm,
-        eval_data=eval_data, eval_every=eval_every)
+        eval_data=eval_data, eval_every=eval_every, class_axis=class_axis)
     if list_params:
         print_params(options, echo=echo)
         return

@@ -621,6 +621,7 @@ SETTINGS: dict[str, Callable] = {
     "lr_schedule": lambda v, w: _text(v, w),
     "warmup": lambda v, w: _int(v, w, 0),
     "clip_grad_norm": lambda v, w: None if v is None else _number(v, w, positive=True),
+    "class_axis": lambda v, w: None if v is None else _int(v, w, -64, 63),
 }
 
 

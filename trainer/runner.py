@@ -74,6 +74,7 @@ class RunOptions:
     quiet: bool = False
     list_params: bool = False             # print what would be trained, then stop
     ignore_index: int | None = None       # cross_entropy labels not counted (None: -100)
+    class_axis: int | None = None         # cross_entropy: the logits' class axis (None: found)
     lr_schedule: str | None = None        # constant | linear | cosine (None: constant)
     warmup: int | None = None             # steps of linear warmup from 0 (None: 0)
     clip_grad_norm: float | None = None   # clip the gradients' global L2 norm to this
@@ -310,7 +311,8 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
     graph = build(forward, loss=loss, labels=labels, freeze=opts.freeze, train=opts.train,
                   level=opts.level, precision=precision, disable=opts.disable,
                   label_shapes=array_shapes(arrays),
-                  ignore_index=-100 if opts.ignore_index is None else opts.ignore_index)
+                  ignore_index=-100 if opts.ignore_index is None else opts.ignore_index,
+                  class_axis=opts.class_axis)
     for title, report in graph.reports:
         say(f"== {title}")
         say(report.format_table())
@@ -430,7 +432,7 @@ def _kept(opts: RunOptions, trainer: Trainer) -> str | None:
 # another value is an error (the length, --steps/--epochs, may change: that trains on).
 RESUMED = ("loss", "labels", "optimizer", "lr", "weight_decay", "precision", "loss_scale",
            "batch_size", "seed", "freeze", "train", "ignore_index", "lr_schedule", "warmup",
-           "clip_grad_norm")
+           "clip_grad_norm", "class_axis")
 
 
 def _settings_record(opts: RunOptions, loss, labels, optimizer, precision: str,

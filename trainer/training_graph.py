@@ -37,13 +37,13 @@ class RunGraph(TrainingGraph):
 def build(forward: onnx.ModelProto, *, loss: str | None = None, labels: str | None = None,
           freeze=(), train=(), level: int = 2, precision: str = "fp32",
           disable: tuple[str, ...] = (), label_shapes: dict | None = None,
-          ignore_index: int | None = None) -> RunGraph:
+          ignore_index: int | None = None, class_axis: int | None = None) -> RunGraph:
     """The optimized training graph of ``forward`` for a run in ``precision`` (see
     :func:`graphopt.training.prepare_training` for the other arguments)."""
     graph, reports = prepare_training(forward, loss=loss, labels=labels, freeze=freeze,
                                       train=train, level=level, float16=precision != "fp32",
                                       disable=disable, label_shapes=label_shapes,
-                                      ignore_index=ignore_index)
+                                      ignore_index=ignore_index, class_axis=class_axis)
     originals = {t.name: t for t in forward.graph.initializer}
     current = {t.name: t for t in graph.proto.graph.initializer}
     initial = {name: numpy_helper.to_array(originals.get(name, current[name])).astype(np.float32)

@@ -219,11 +219,6 @@ def test_a_class_axis_that_does_not_fit_the_labels_or_the_loss_is_refused(tmp_pa
         build_training_graph(forward, "mse", class_axis=2)
 
 
-def _run_has_class_axis() -> bool:
-    return any("--class-axis" in p.opts for p in main.commands["run"].params)
-
-
-@pytest.mark.skipif(not _run_has_class_axis(), reason="graphopt run has no --class-axis yet")
 def test_class_axis_option_trains_the_chosen_layout(tmp_path):
     model, _ = lm_model(tmp_path)
     data, _ = lm_data(tmp_path)
