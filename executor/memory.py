@@ -36,6 +36,7 @@ import numpy as np
 import onnx
 
 from graphopt.errors import GraphoptError
+from graphopt.inference import infer_shapes as bounded_infer_shapes
 
 from .errors import ExecutorError
 from .output_sizes import NoSizeEstimateError, output_types
@@ -218,7 +219,7 @@ def infer_types(model: onnx.ModelProto,
                 vi.type.tensor_type.shape.dim.add().dim_value = int(d)
         model = probe
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+        inferred = bounded_infer_shapes(model)
     except Exception:  # partial knowledge is fine: unknown sizes count as zero
         return types
     for name, value in _value_info_types(inferred.graph).items():

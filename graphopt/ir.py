@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from .inference import infer_shapes as bounded_infer_shapes
 from .vocabulary import (
     MS_DOMAIN,
     STANDARD_DOMAIN,
@@ -1117,7 +1118,7 @@ class Model:
         hidden = _hide_declarations(proto.graph)
         try:
             with contrib_stand_ins(proto):
-                inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+                inferred = bounded_infer_shapes(proto)
         except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError):
             return self._found
         finally:

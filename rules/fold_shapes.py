@@ -25,6 +25,7 @@ import onnx
 from onnx import numpy_helper
 
 from graphopt.dsl import Pass
+from graphopt.inference import infer_shapes as bounded_infer_shapes
 from graphopt.ir import STANDARD_DOMAIN, subgraphs_of, type_dims
 
 
@@ -134,7 +135,7 @@ def refine_types(graph) -> None:
     if graph is not graph.model.graph:
         return  # a subgraph's types come with the main graph's inference
     try:
-        inferred = onnx.shape_inference.infer_shapes(graph.model.flush(), data_prop=True)
+        inferred = bounded_infer_shapes(graph.model.flush())
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError):
         return
     for vi in inferred.graph.value_info:

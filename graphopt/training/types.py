@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from ..inference import infer_shapes as bounded_infer_shapes
 from ..ir import contrib_stand_ins, type_dims
 from ..vocabulary import FLOAT_TYPES, STANDARD_DOMAIN, normalize_domain
 
@@ -33,11 +34,13 @@ class TypeTable:
         try:
             # data_prop turns shapes computed by Shape/Concat/Gather chains into static ones
             with contrib_stand_ins(model):  # a fused Gelu's output typed, and after it
-                inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+                inferred = bounded_infer_shapes(model)
         except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError):
             inferred = model  # fall back on what the model declares; dynamic paths cover the rest
-        graph = inferred.graph
-        for vi in itertools.chain(graph.input, graph.output, graph.value_info):
+        # types from the inference; values (initializers, Constants) from the model itself:
+        # inference ran on a view without the weights' bytes
+        types, graph = inferred.graph, model.graph
+        for vi in itertools.chain(types.input, types.output, types.value_info):
             if vi.type.HasField("tensor_type"):
                 table.set(vi.name, vi.type.tensor_type.elem_type or None, type_dims(vi.type))
         for init in graph.initializer:

@@ -19,7 +19,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 FOLDERS = {"graphopt": "graphopt", "graphopt.rules": "rules", "graphopt.executor": "executor",
            "graphopt.trainer": "trainer"}
 
-BASE = ("graphopt.vocabulary", "graphopt.errors", "graphopt.layout")
+# graphopt.inference: bounded ONNX shape inference, the one way every layer runs it
+BASE = ("graphopt.vocabulary", "graphopt.errors", "graphopt.layout", "graphopt.inference")
 CORE = {"core", "dsl", "ir"}  # graphopt's own modules: the DSL, the IR and the rest
 # layer -> the layers it may import (third-party and stdlib are free)
 MAY_IMPORT = {
