@@ -18,6 +18,7 @@ result would still find work (not a fixpoint).
 """
 from __future__ import annotations
 
+import math
 import weakref
 
 import numpy as np
@@ -94,7 +95,10 @@ def _value(graph, node_id: int):
         dims = _dims(graph, graph.inputs_of(node_id)[0])
         if dims is None or any(d is None for d in dims):
             return None
-        return np.array(int(np.prod(dims, dtype=np.int64)), dtype=np.int64)
+        count = math.prod(int(d) for d in dims)   # exact: np.prod wraps around in int64
+        if count > INT64_MAX:
+            return None   # no int64 holds it: the Size stays, as ONNX says it would be
+        return np.array(count, dtype=np.int64)
     source = graph.producer_of(graph.inputs_of(node_id)[0])
     if source is None or graph.op_key(source) != (STANDARD_DOMAIN, "Shape"):
         return None
@@ -148,6 +152,7 @@ def refine_types(graph) -> None:
 
 
 FOLDED = ("Shape", "Size", "Gather", "Slice")
+INT64_MAX = (1 << 63) - 1
 
 
 # graph -> (nodes, initializers) when its types were last refined: folds change both counts

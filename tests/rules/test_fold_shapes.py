@@ -210,3 +210,21 @@ def test_a_tensor_made_static_by_folded_bounds_is_split_in_the_same_run():
     assert "Split" in op_types(out)
     assert_same_outputs(model, out, atol=0, rtol=0)
     assert_second_run_changes_nothing(out, [PASS, "fold_constants", "gather_slice_to_split"])
+
+
+def test_size_beyond_int64_stays():
+    """Size of a [2**40, 2**40] tensor (2**80 elements) has no int64 value: np.prod would
+    wrap it around to 0; the Size stays. A product that fits still folds."""
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[1099511627776,1099511627776] x, float[3037000499,3037000499] y)
+            => (int64 n, int64 m) {
+          size = Size(x)
+          n = Identity(size)
+          fits = Size(y)
+          m = Identity(fits)
+        }""")
+    out, report = graphopt.optimize(model, [PASS])
+    assert sorted(op_types(out)) == ["Identity", "Identity", "Size"]
+    assert initializer(out, "fits").tolist() == 3037000499 ** 2
+    assert report.rules[PASS].rewrites == 1
