@@ -43,6 +43,7 @@ def load(source, *, check: bool = True) -> Model:
         path = os.fspath(source)
         proto = _read_proto(path)
     _check_looks_like_onnx(proto, path)
+    _refuse_undecodable_names(proto, path)
     model = Model(proto, path)
     if check:
         model.external = _check_external_data(proto, path)
@@ -135,6 +136,43 @@ def _check_looks_like_onnx(proto: onnx.ModelProto, path: str | None) -> None:
         if normalize_domain(opset.domain) == STANDARD_DOMAIN and not 1 <= opset.version <= newest:
             raise GraphoptError(f"{where}: unsupported opset {opset.version} (this onnx "
                                 f"supports 1 to {newest})")
+
+
+def _graph_names(graph: onnx.GraphProto):
+    """(what, name) of every name a graph and its subgraphs hold."""
+    for kind, infos in (("graph input", graph.input), ("graph output", graph.output),
+                        ("value_info", graph.value_info)):
+        for info in infos:
+            yield kind, info.name
+    for tensor in graph.initializer:
+        yield "initializer", tensor.name
+    for node in graph.node:
+        yield "node name", node.name
+        for name in (*node.input, *node.output):
+            yield "tensor name of a node", name
+        for attr in node.attribute:
+            subgraphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs
+            for sub in subgraphs:
+                yield from _graph_names(sub)
+
+
+def _refuse_undecodable_names(proto: onnx.ModelProto, path: str | None) -> None:
+    """Protobuf hands a string field that is not valid UTF-8 back as bytes: every name is
+    text to graphopt (and to ONNX's checker), so such a model is refused in one line."""
+    for function in proto.functions:
+        names = [("function", function.name), *(("function input", n) for n in function.input),
+                 *(("function output", n) for n in function.output)]
+        for node in function.node:
+            names += [("tensor name of a function node", n) for n in (*node.input,
+                                                                      *node.output)]
+        for kind, name in names:
+            if isinstance(name, bytes):
+                raise GraphoptError(f"{path or 'model'}: a {kind} is not valid UTF-8 text "
+                                    f"({name!r})")
+    for kind, name in _graph_names(proto.graph):
+        if isinstance(name, bytes):
+            raise GraphoptError(f"{path or 'model'}: a {kind} is not valid UTF-8 text "
+                                f"({name!r})")
 
 
 def _first_line(exc: Exception) -> str:

@@ -324,3 +324,47 @@ print("started", file=sys.stderr)
 def test_distributed_start_refuses_an_indivisible_batch_before_any_collective():
     _one_line_from_rank_zero(_two_ranks("-P", "-c", START),
                              "--batch-size 7 is the global batch")
+
+
+# ---- names that are not UTF-8 -------------------------------------------------------------
+def _non_utf8_model(where: str) -> bytes:
+    """A valid model whose name ``xQQQx`` (in ``where``) has its middle replaced by bytes that
+    are not UTF-8 in the serialized protobuf."""
+    name = "xQQQx"
+    node_name = name if where == "node" else "relu"
+    graph = helper.make_graph([helper.make_node("Relu", [name], ["y"], name=node_name)], "g",
+                              [helper.make_tensor_value_info(name, TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    if where == "subgraph":
+        inner = helper.make_graph([helper.make_node("Identity", ["y"], ["xQQQx_inner"])], "b",
+                                  [], [helper.make_tensor_value_info("xQQQx_inner",
+                                                                     TensorProto.FLOAT, [2])])
+        graph = helper.make_graph(
+            [helper.make_node("Relu", ["x"], ["y"]),
+             helper.make_node("If", ["c"], ["o"], then_branch=inner, else_branch=inner)], "g",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
+             helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+            [helper.make_tensor_value_info("o", TensorProto.FLOAT, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model.SerializeToString().replace(b"QQQ", b"\xff\xfe\xfd")
+
+
+@pytest.mark.parametrize("where", ["input", "node", "subgraph"])
+@pytest.mark.parametrize("command", ["optimize", "run"])
+def test_non_utf8_names_are_one_line(tmp_path, where, command):
+    path = tmp_path / "m.onnx"
+    path.write_bytes(_non_utf8_model(where))
+    data = write_npz(tmp_path / "d.npz", {"x": np.ones((4, 2), np.float32)})
+    args = ["--dry-run"] if command == "optimize" else ["--data", data, "--loss", "output"]
+    result = CliRunner().invoke(main, [command, str(path), *map(str, args)])
+    assert result.exit_code == 1, (result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is not valid UTF-8 text" in lines[0], result.stderr
+
+
+def test_non_utf8_names_through_the_python_api_are_one_error():
+    model = onnx.ModelProto()
+    model.ParseFromString(_non_utf8_model("input"))
+    with pytest.raises(GraphoptError, match="not valid UTF-8"):
+        graphopt.optimize(model)
