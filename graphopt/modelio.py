@@ -347,6 +347,12 @@ def external_files(model: Model) -> ExternalFiles:
     return model.external
 
 
+def external_bytes(model: Model) -> int:
+    """Bytes of the model's external data, from the checked extents (nothing is read)."""
+    files = external_files(model)
+    return sum(files.check(tensor)[2] for tensor in _external_tensors(model.proto))
+
+
 def load_external_data(model: Model) -> None:
     """Read every external tensor into the proto (from the checked descriptors)."""
     files = external_files(model)

@@ -16,7 +16,7 @@ import onnx
 
 from graphopt import modelio
 from graphopt.errors import GraphoptError
-from graphopt.executor import ExecutorError, Session, describe_compiled_kernels
+from graphopt.executor import ExecutorError, Session, describe_compiled_kernels, memory
 from graphopt.executor.session import value_type
 from graphopt.training.graph import has_yield
 from graphopt.training.prepare import trained_params
@@ -116,9 +116,24 @@ def _resolve_source(opts: RunOptions):
     if opts.data is None:
         raise GraphoptError("--data FILE.npz is required to train a model file")
     model = modelio.load(opts.model)  # the same checks as optimize: one-line errors, no escapes
-    # training needs the weights themselves: read from the files the load checked
+    # training needs the weights themselves: read from the files the load checked, once
+    # they are known to fit in memory
+    _refuse_weights_beyond_memory(model)
     modelio.load_external_data(model)
     return model.proto, load_npz(opts.data), {}, model
+
+
+def _refuse_weights_beyond_memory(model) -> None:
+    """External weights larger than the memory available are refused before any is read
+    (they are read into host memory whatever the device)."""
+    if not model.has_external_data():
+        return
+    needed = modelio.external_bytes(model)
+    available = memory.available_bytes(None)
+    if available is not None and needed > available:
+        raise GraphoptError(f"{model.path}: its external weights are {memory.human(needed)}, "
+                            f"more than the {memory.human(available)} of memory available "
+                            f"({memory.limit_source()}); nothing was read")
 
 
 def one_line(exc: BaseException) -> str:

@@ -361,3 +361,44 @@ def test_memory_limit_that_is_not_a_size_is_one_cli_line(tmp_path, monkeypatch, 
         onnx.save(_relu_model([2, 3]), tmp_path / "m.onnx")
         args = ["optimize", tmp_path / "m.onnx", "-o", tmp_path / "o.onnx", "--check"]
     one_error_line(invoke(*args), f"GRAPHOPT_MEMORY_LIMIT={text!r} is not a memory size")
+
+
+# ---- external weights larger than memory ----------------------------------------------------
+def test_external_weights_beyond_memory_are_refused_before_reading(tmp_path):
+    """A model whose external tensor declares 1 TiB (a sparse file: no disk used) is refused
+    by graphopt run from the extents, in one line, without reading: the process stays small."""
+    import resource
+    import subprocess
+    import sys
+
+    rows = 1 << 26                                  # [2**26, 4096] float32 = 1 TiB
+    weight = onnx.TensorProto(name="W", data_type=onnx.TensorProto.FLOAT, dims=[rows, 4096],
+                              data_location=onnx.TensorProto.EXTERNAL)
+    for key, value in (("location", "w.bin"), ("offset", "0"), ("length", str(rows * 4096 * 4))):
+        entry = weight.external_data.add()
+        entry.key, entry.value = key, value
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "W"], ["h"]),
+         onnx.helper.make_node("ReduceSum", ["h"], ["y"], keepdims=0)], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", rows])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [])],
+        initializer=[weight])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "big.onnx")
+    with open(tmp_path / "w.bin", "wb") as f:
+        f.truncate(rows * 4096 * 4)
+    np.savez(tmp_path / "d.npz", x=np.ones((2, 1), np.float32))
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    result = subprocess.run(
+        [sys.executable, "-P", "-m", "graphopt.cli", "run", str(tmp_path / "big.onnx"),
+         "--data", str(tmp_path / "d.npz"), "--loss", "output", "--steps", "1"],
+        capture_output=True, text=True, timeout=120, preexec_fn=limited,
+        env={**os.environ, "GRAPHOPT_MEMORY_LIMIT": "1G"})
+    assert result.returncode == 1, result.stderr[-600:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "its external weights are 1.0 TiB" in lines[0], result.stderr
+    assert "nothing was read" in lines[0]
