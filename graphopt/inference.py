@@ -31,11 +31,10 @@ weights (it serializes the model it is given, and parses the result back).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import onnx
 
-from .vocabulary import STANDARD_DOMAIN, normalize_domain
+from .vocabulary import STANDARD_DOMAIN, normalize_domain, subgraphs_of, type_dims
 
 # Propagated values ONNX may hold in one inference, in dims (elements of shape-like tensors).
 # Real models use a few thousand (a few dims per Shape/Gather/Concat tensor); 1 << 18 dims
@@ -138,20 +137,12 @@ def _light_constant(node: onnx.NodeProto) -> onnx.NodeProto | None:
 
 
 # ---- the bound --------------------------------------------------------------------------
-def _subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
-    for attr in node.attribute:
-        if attr.type == onnx.AttributeProto.GRAPH:
-            yield attr.g
-        elif attr.type == onnx.AttributeProto.GRAPHS:
-            yield from attr.graphs
-
-
 def _shape(type_proto: onnx.TypeProto) -> tuple | None:
     """Dims (int, or None where unknown) of a tensor type; None when its rank is unknown."""
-    if not type_proto.HasField("tensor_type") or not type_proto.tensor_type.HasField("shape"):
+    if not type_proto.HasField("tensor_type"):
         return None
-    return tuple(d.dim_value if d.HasField("dim_value") else None
-                 for d in type_proto.tensor_type.shape.dim)
+    dims = type_dims(type_proto)
+    return None if dims is None else tuple(d if isinstance(d, int) else None for d in dims)
 
 
 def _collect_shapes(graph: onnx.GraphProto, shapes: dict) -> None:
@@ -160,7 +151,7 @@ def _collect_shapes(graph: onnx.GraphProto, shapes: dict) -> None:
     for tensor in graph.initializer:
         shapes[tensor.name] = tuple(int(d) for d in tensor.dims)
     for node in graph.node:
-        for sub in _subgraphs(node):
+        for sub in subgraphs_of(node):
             _collect_shapes(sub, shapes)
 
 
@@ -220,7 +211,7 @@ class _Bound:
             if self.cost == INF:
                 return
             inner = set()
-            for sub in _subgraphs(node):
+            for sub in subgraphs_of(node):
                 self.walk(sub)
                 inner.update(i for n in sub.node for i in n.input)
             self.node(node)
@@ -302,7 +293,7 @@ class _Bound:
             if key in self.functions and key not in seen and self._propagates(
                     self.functions[key].node, seen | {key}):
                 return True
-            if any(self._propagates(sub.node, seen) for sub in _subgraphs(node)):
+            if any(self._propagates(sub.node, seen) for sub in subgraphs_of(node)):
                 return True
         return False
 

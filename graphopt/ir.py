@@ -25,6 +25,7 @@ from .vocabulary import (
     STANDARD_DOMAIN,
     STANDARD_DOMAIN_ALIAS,
     normalize_domain,
+    subgraphs_of,
     type_dims,
 )
 
@@ -70,14 +71,6 @@ def has_subgraphs(node: onnx.NodeProto, domain: str | None = None,
     if type(node) is PendingNode:
         node = node.template
     return any(a.type in _GRAPH_ATTRIBUTE_TYPES for a in node.attribute)
-
-
-def subgraphs_of(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
-    for attr in node.attribute:
-        if attr.type == onnx.AttributeProto.GRAPH:
-            yield attr.g
-        elif attr.type == onnx.AttributeProto.GRAPHS:
-            yield from attr.graphs
 
 
 def nested_nodes(graph: onnx.GraphProto, depth: int = 0) -> Iterator[tuple[onnx.NodeProto, int]]:

@@ -23,7 +23,7 @@ from onnx import numpy_helper
 from .errors import GraphoptError
 from .ir import Model
 from .ir import external_tensors as _external_tensors
-from .vocabulary import STANDARD_DOMAIN, normalize_domain
+from .vocabulary import STANDARD_DOMAIN, normalize_domain, subgraphs_of
 
 EXTERNAL_COPY_CHUNK = 64 << 20
 DIGEST_CHARS = 12
@@ -150,10 +150,8 @@ def _graph_names(graph: onnx.GraphProto):
         yield "node name", node.name
         for name in (*node.input, *node.output):
             yield "tensor name of a node", name
-        for attr in node.attribute:
-            subgraphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs
-            for sub in subgraphs:
-                yield from _graph_names(sub)
+        for sub in subgraphs_of(node):
+            yield from _graph_names(sub)
 
 
 def _refuse_undecodable_names(proto: onnx.ModelProto, path: str | None) -> None:

@@ -2,14 +2,16 @@
 
 Domains, the training graph's YieldOp and backward-pass annotation, the float element types,
 attribute defaults (read from the ONNX schemas, not written again where an attribute is
-read) and a tensor type's dims. This is the lowest layer: it imports only onnx, and every
-other layer (rules, graphopt.training, the executor, the trainer) takes these names from
-here. tests/architecture/test_vocabulary.py fails when one of the literals is spelled, one
-of these names defined, or an attribute default written by hand anywhere else.
+read), a tensor type's dims and a node's subgraphs. This is the lowest layer: it imports
+only onnx, and every other layer (rules, graphopt.training, the executor, the trainer) takes
+these names from here. tests/architecture/test_vocabulary.py fails when one of the literals
+is spelled, one of these names defined, or an attribute default written by hand anywhere
+else.
 """
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 
 import onnx
 
@@ -102,6 +104,15 @@ def _standard_default(op_type: str, name: str, opset: int | None):
         raise KeyError(f"{op_type}.{name} has no default (opset {opset or 'latest'})")
     value = onnx.helper.get_attribute_value(default)
     return tuple(value) if isinstance(value, list) else value  # cached: kept immutable
+
+
+def subgraphs_of(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    """The graphs a node holds in its attributes (If branches, Loop and Scan bodies)."""
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield attr.g
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            yield from attr.graphs
 
 
 def type_dims(type_proto: onnx.TypeProto) -> list[int | str | None] | None:
