@@ -20,9 +20,8 @@ import zipfile
 import numpy as np
 import onnx
 import pytest
-from click.testing import CliRunner
+from support.cli_runs import assert_one_error_line, cli
 
-from graphopt.cli import main
 from graphopt.errors import GraphoptError
 from graphopt.trainer import checkpoint as ckpt
 from graphopt.trainer import loop
@@ -31,23 +30,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MLP = os.path.join(HERE, os.pardir, "fixtures", "mlp.onnx")
 CLI = [sys.executable, "-P", "-m", "graphopt.cli"]
 TRAIN = ["--loss", "cross_entropy", "--batch-size", "4", "--device", "cpu", "--seed", "5"]
-
-
-def cli(*args) -> tuple[int, str, str]:
-    """`graphopt ARGS` in-process; an exception escaping the command fails the test here."""
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise AssertionError(f"uncaught {type(result.exception).__name__}: {result.exception}")
-    return result.exit_code, result.stdout, result.stderr
-
-
-def one_error_line(code: int, stderr: str, *expected: str) -> str:
-    lines = stderr.strip().splitlines()
-    assert code == 1 and len(lines) == 1, (code, stderr)
-    assert lines[0].startswith("graphopt: error: ") and "Traceback" not in stderr, stderr
-    for text in expected:
-        assert text in lines[0], lines[0]
-    return lines[0]
 
 
 def subprocess_cli(*args, timeout: float = 30, cwd=None) -> subprocess.CompletedProcess:
@@ -185,7 +167,7 @@ def test_a_fifo_as_the_checkpoint_file_is_refused_at_once(tmp_path, data):
     for extra in (["--resume"], []):
         proc = subprocess_cli("run", MLP, "--data", data, "--steps", 2, "--checkpoint", folder,
                               "-q", *TRAIN, *extra, timeout=20)
-        one_error_line(proc.returncode, proc.stderr, fifo, "FIFO", "not a regular file")
+        assert_one_error_line(proc.returncode, proc.stderr, fifo, "FIFO", "not a regular file")
         assert os.path.exists(fifo) and not os.path.isfile(fifo)   # still the FIFO
 
 
@@ -196,7 +178,7 @@ def test_a_fifo_as_the_lock_file_is_refused_in_one_line(tmp_path, data):
     os.mkfifo(folder / ckpt.LOCK_NAME)
     code, _, stderr = cli("run", MLP, "--data", data, "--steps", 2, "--checkpoint", folder,
                           "-q", *TRAIN)
-    one_error_line(code, stderr, ckpt.LOCK_NAME, "FIFO", "not a regular file")
+    assert_one_error_line(code, stderr, ckpt.LOCK_NAME, "FIFO", "not a regular file")
 
 
 # -- a checkpoint is checked from its headers before anything is decompressed --------------
@@ -254,7 +236,7 @@ def test_resume_reads_array_headers_before_decompressing_anything(tmp_path, good
                            "--steps", "6", "--checkpoint", folder, "--resume", "--device",
                            "cpu", "-q"], capture_output=True, text=True, timeout=120)
     rss_kib, code, stderr = proc.stdout.split("\n", 2)
-    one_error_line(int(code), stderr, ckpt.path_in(folder), "fc1.weight")
+    assert_one_error_line(int(code), stderr, ckpt.path_in(folder), "fc1.weight")
     assert int(rss_kib) < 700 * 1024, f"resume peaked at {int(rss_kib) >> 10} MiB"
 
 
@@ -315,7 +297,7 @@ def test_tampered_checkpoint_settings_are_one_line_naming_the_field(tmp_path, go
     folder = edited_checkpoint(good_checkpoint, str(tmp_path / "ckpt"), _setting(key, value))
     code, _, stderr = cli("run", MLP, "--data", data, "--checkpoint", folder, "--resume",
                           "--device", "cpu", "-q")
-    one_error_line(code, stderr, ckpt.path_in(folder), f"settings {key}")
+    assert_one_error_line(code, stderr, ckpt.path_in(folder), f"settings {key}")
 
 
 def test_settings_that_are_not_an_object_are_one_line(tmp_path, good_checkpoint, data):
@@ -323,7 +305,7 @@ def test_settings_that_are_not_an_object_are_one_line(tmp_path, good_checkpoint,
                                lambda meta: meta.update(settings=["lr", 1]))
     code, _, stderr = cli("run", MLP, "--data", data, "--checkpoint", folder, "--resume",
                           "--device", "cpu", "-q")
-    one_error_line(code, stderr, ckpt.path_in(folder), "settings")
+    assert_one_error_line(code, stderr, ckpt.path_in(folder), "settings")
 
 
 @pytest.mark.parametrize("key", ["eval_loss", "grad_norm", "lr"])
@@ -332,7 +314,7 @@ def test_tampered_optional_history_values_are_one_line(tmp_path, good_checkpoint
                                lambda meta: meta["history"][1].update({key: "x"}))
     code, _, stderr = cli("run", MLP, "--data", data, "--checkpoint", folder, "--resume",
                           "--steps", 4, "--device", "cpu", "-q")
-    one_error_line(code, stderr, ckpt.path_in(folder), f"history record 2: {key}")
+    assert_one_error_line(code, stderr, ckpt.path_in(folder), f"history record 2: {key}")
 
 
 # -- a full disk or SIGTERM during a save: the previous checkpoint, no temporary ------------
@@ -381,7 +363,7 @@ def test_disk_full_at_any_point_of_a_save_keeps_the_previous_checkpoint(tmp_path
     code, _, stderr = cli("run", MLP, "--data", data, "--steps", 6, "--checkpoint", folder,
                           "--checkpoint-every", 2, "-q", *TRAIN)
     monkeypatch.undo()
-    one_error_line(code, stderr, "could not save the checkpoint of step 4",
+    assert_one_error_line(code, stderr, "could not save the checkpoint of step 4",
                    "No space left on device (ENOSPC)",
                    f"the previous checkpoint {ckpt.path_in(str(folder))} (step 2) is intact")
     assert sorted(os.listdir(folder)) == [ckpt.FILENAME]
@@ -410,7 +392,7 @@ def test_disk_full_on_a_real_tiny_file_system_keeps_the_previous_checkpoint(tiny
     folder = tiny_file_system / "ckpt"
     code, _, stderr = cli("run", MLP, "--data", data, "--steps", 6, "--checkpoint", folder,
                           "--checkpoint-every", 2, "-q", *TRAIN)
-    one_error_line(code, stderr, "could not save the checkpoint of step 4",
+    assert_one_error_line(code, stderr, "could not save the checkpoint of step 4",
                    f"the previous checkpoint {ckpt.path_in(str(folder))} (step 2) is intact")
     assert sorted(os.listdir(folder)) == [ckpt.FILENAME]
     assert ckpt.load(str(folder)).step == 2

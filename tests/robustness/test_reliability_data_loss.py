@@ -17,28 +17,15 @@ import time
 import numpy as np
 import onnx
 import pytest
-from click.testing import CliRunner
 from conftest import run_ort
 from ir.helpers import FEEDS, save_external, weights_model
 from onnx import TensorProto, helper, numpy_helper
+from support.cli_runs import invoke, one_error_line
 
 import graphopt
 from graphopt import modelio
-from graphopt.cli import main
 
 CLI = [sys.executable, "-P", "-m", "graphopt.cli"]
-
-
-def invoke(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_error_line(result, contains: str) -> str:
-    assert result.exit_code == 1, (result.exit_code, result.output, result.exception)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("graphopt: error: "), result.stderr
-    assert contains in lines[0], lines[0]
-    return lines[0]
 
 
 def snapshot(folder) -> dict[str, bytes]:

@@ -18,28 +18,15 @@ import sys
 import numpy as np
 import onnx
 import pytest
-from click.testing import CliRunner
 from ir.helpers import save_external, weights_model
 from onnx import TensorProto, helper
+from support.cli_runs import invoke, one_error_line
 
 from graphopt import modelio
-from graphopt.cli import main
 from graphopt.errors import GraphoptError, Terminated
 
 CLI = [sys.executable, "-P", "-m", "graphopt.cli"]
 TRAIN = ("--loss", "cross_entropy", "--steps", "2", "--batch-size", "4", "-q")
-
-
-def invoke(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_error_line(result, contains: str = "") -> str:
-    assert result.exit_code == 1, (result.exit_code, result.output, result.exception)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("graphopt: error: "), result.stderr
-    assert contains in lines[0], lines[0]
-    return lines[0]
 
 
 def mlp_and_data(folder) -> tuple[str, str, str]:

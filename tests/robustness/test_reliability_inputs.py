@@ -6,9 +6,6 @@ of thousands of members opens reading only the members the graph uses.
 Each test is named after the failure class it pins and fails on the code before the fix."""
 from __future__ import annotations
 
-import importlib.util
-import os
-import shutil
 import subprocess
 import sys
 import time
@@ -17,32 +14,19 @@ import zipfile
 import numpy as np
 import onnx
 import pytest
-from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
+from support.cli_runs import invoke, one_error_line
+from support.mpi import MPIEXEC, needs_mpi
 from support.training_runs import MLP, mlp_data, write_npz
 
 import graphopt
 from graphopt import api
-from graphopt.cli import main
 from graphopt.errors import GraphoptError
 from graphopt.executor import Session
 from graphopt.training import build_training_graph
 from graphopt.training.prepare import prepare_training
 
 BEYOND_INT64 = 2**70
-
-
-def invoke(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_error_line(result, *contains: str) -> str:
-    assert result.exit_code == 1, (result.exit_code, result.output, result.exception)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("graphopt: error: "), result.stderr
-    for text in contains:
-        assert text in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture
@@ -265,16 +249,6 @@ def test_an_npz_of_8000_members_reads_only_the_members_the_graph_uses(tmp_path, 
 
 
 # ---- data parallel: one line from rank 0, no MPI_Abort ------------------------------------
-def _mpiexec() -> str | None:
-    here = os.path.dirname(sys.executable)   # the mpich wheel installs next to python
-    return shutil.which("mpiexec", path=here + os.pathsep + os.environ.get("PATH", ""))
-
-
-MPIEXEC = _mpiexec()
-needs_mpi = pytest.mark.skipif(
-    importlib.util.find_spec("mpi4py") is None or MPIEXEC is None,
-    reason="needs mpi4py and mpiexec: pip install 'graphopt[distributed]' "
-           "(mpi4py + the mpich wheel)")
 
 
 def _two_ranks(*args, timeout=90):
@@ -357,7 +331,7 @@ def test_non_utf8_names_are_one_line(tmp_path, where, command):
     path.write_bytes(_non_utf8_model(where))
     data = write_npz(tmp_path / "d.npz", {"x": np.ones((4, 2), np.float32)})
     args = ["--dry-run"] if command == "optimize" else ["--data", data, "--loss", "output"]
-    result = CliRunner().invoke(main, [command, str(path), *map(str, args)])
+    result = invoke(command, path, *args)
     assert result.exit_code == 1, (result.output, result.exception)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "is not valid UTF-8 text" in lines[0], result.stderr

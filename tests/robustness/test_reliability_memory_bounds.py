@@ -21,10 +21,9 @@ import textwrap
 import numpy as np
 import onnx
 import pytest
-from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
+from support.cli_runs import invoke, one_error_line
 
-from graphopt.cli import main
 from graphopt.errors import GraphoptError
 from graphopt.executor import ExecutorError, Session, memory
 from graphopt.executor.memory import AllocationLimitError, MemorySettingError, parse_limit
@@ -43,19 +42,6 @@ def _model(nodes, inputs, outputs, inits=()):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return model
-
-
-def invoke(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_error_line(result, *contains: str) -> str:
-    assert result.exit_code == 1, (result.exit_code, result.output, result.exception)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("graphopt: error: "), result.stderr
-    for words in contains:
-        assert words in lines[0], lines[0]
-    return lines[0]
 
 
 # ---- data-dependent output sizes, checked when the node runs ---------------------------
@@ -181,12 +167,15 @@ def test_data_dependent_sizes_run_unchecked_with_the_limit_off(monkeypatch):
     assert session.run(_feed(1 << 20))["s"] == 1 << 20
 
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
 def test_data_dependent_sizes_do_not_allocate_before_refusing(tmp_path):
     """A fresh process: every op asked for 256+ MiB under a 64 MiB limit; its peak memory
     grows by far less than one such output."""
     script = textwrap.dedent(f"""
         import json, sys
-        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+        sys.path[:0] = [{HERE!r}, {os.path.dirname(HERE)!r}]   # the test and tests/support
         import numpy as np
         from graphopt.executor import Session
         from graphopt.executor.memory import AllocationLimitError

@@ -18,10 +18,9 @@ import warnings
 import numpy as np
 import onnx
 import pytest
-from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
+from support.cli_runs import assert_one_error_line, cli
 
-from graphopt.cli import main
 from graphopt.errors import GraphoptError
 from graphopt.trainer import RunOptions, run
 from graphopt.trainer import checkpoint as ckpt
@@ -31,24 +30,6 @@ from .killpoints import CLI
 HERE = os.path.dirname(os.path.abspath(__file__))
 MLP = os.path.join(HERE, os.pardir, "fixtures", "mlp.onnx")
 TRAIN = ["--loss", "cross_entropy", "--batch-size", "4", "--device", "cpu", "-q"]
-
-
-def cli(*args) -> tuple[int, str, str]:
-    """`graphopt ARGS` in-process: (exit code, stdout, stderr); an exception escaping the
-    command (a traceback for the user) fails the test here."""
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise AssertionError(f"uncaught {type(result.exception).__name__}: {result.exception}")
-    return result.exit_code, result.stdout, result.stderr
-
-
-def assert_one_error_line(code: int, stderr: str, *expected: str) -> str:
-    lines = stderr.strip().splitlines()
-    assert code == 1 and len(lines) == 1, (code, stderr)
-    assert lines[0].startswith("graphopt: error: ") and "Traceback" not in stderr, stderr
-    for text in expected:
-        assert text in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

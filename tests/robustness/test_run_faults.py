@@ -15,19 +15,17 @@ fills up during a checkpoint save, and NaN/Inf in the loss or the gradients.
 from __future__ import annotations
 
 import errno
-import importlib.util
 import io
 import os
 import random
-import shutil
 import subprocess
-import sys
 
 import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
+from support.mpi import MPIEXEC, needs_mpi
 
 from graphopt.cli import main
 from graphopt.errors import GraphoptError
@@ -235,21 +233,14 @@ def test_skipped_steps_are_counted_across_a_resume(tmp_path):
         np.testing.assert_array_equal(resumed.result.params[name], value)
 
 
-def _mpiexec():
-    if importlib.util.find_spec("mpi4py") is None:
-        return None
-    here = os.path.dirname(sys.executable)
-    return shutil.which("mpiexec", path=here + os.pathsep + os.environ.get("PATH", ""))
-
-
-@pytest.mark.skipif(_mpiexec() is None, reason="needs mpi4py and mpiexec")
+@needs_mpi
 def test_distributed_ranks_agree_to_stop_at_the_faulty_step(tmp_path):
     """The NaN is in rank 0's share of the batch; both ranks stop after step 6's checkpoint,
     each on its own (exit 1, no abort), and rank 0 names the node."""
     folder = tmp_path / "ckpt"
     opts = fault_options(tmp_path)
     done = subprocess.run(
-        [_mpiexec(), "-n", "2", *CLI, "run", opts.model, "--data", opts.data, "--loss", "loss",
+        [MPIEXEC, "-n", "2", *CLI, "run", opts.model, "--data", opts.data, "--loss", "loss",
          "--steps", "15", "--batch-size", "4", "--lr", "0.01", "--seed", "3", "--device",
          "cpu", "--distributed", "--checkpoint", str(folder), "--checkpoint-every", "2", "-q"],
         capture_output=True, text=True, timeout=120)

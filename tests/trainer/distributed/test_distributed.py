@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import numpy_helper
+from support.mpi import MPIEXEC, needs_mpi
 from support.training_runs import MLP, mlp_data, write_npz
 
 from graphopt.errors import GraphoptError
@@ -28,16 +28,6 @@ WORKER = os.path.join(HERE, "worker.py")
 
 
 
-def _mpiexec() -> str | None:
-    here = os.path.dirname(sys.executable)   # the mpich wheel installs next to python
-    return shutil.which("mpiexec", path=here + os.pathsep + os.environ.get("PATH", ""))
-
-
-MPIEXEC = _mpiexec()
-needs_mpi = pytest.mark.skipif(
-    importlib.util.find_spec("mpi4py") is None or MPIEXEC is None,
-    reason="needs mpi4py and mpiexec: pip install 'graphopt[distributed]' "
-           "(mpi4py + the mpich wheel)")
 
 
 def mpiexec(ranks: int, *args, extra=(), timeout=60):
