@@ -10,7 +10,8 @@ import threading
 import onnx
 
 from .errors import RewriteRejected
-from .ir import STANDARD_DOMAIN, Graph, Model
+from .inference import weight_free_view
+from .ir import STANDARD_DOMAIN, Graph, Model, external_tensors
 
 
 def check_inputs(model: Model, graph: Graph, inputs, order: tuple) -> None:
@@ -106,14 +107,30 @@ def _type_str(tp: onnx.TypeProto) -> str:
 _CWD_LOCK = threading.Lock()
 
 
-def validate(model: Model) -> None:
-    """Whole-model check: the ONNX checker and strict shape inference."""
-    proto = model.flush()
-    if model.base_dir and model.has_external_data():
+def check_structure(proto: onnx.ModelProto, base_dir: str = "") -> None:
+    """The ONNX checker on the model without its large weights' bytes (as graph inputs of
+    their types: :func:`graphopt.inference.weight_free_view`), so checking costs what the
+    graph costs, not the weights. What it leaves out, the tensors' own bytes, the loader
+    checks (inline sizes, external data extents and files) once. External data the view
+    still holds (in local functions, sparse initializers, Constant nodes, subgraphs) is
+    checked by ONNX in the model's folder, ``base_dir``."""
+    view, _ = weight_free_view(proto, for_checker=True)
+    _check_view(view, base_dir)
+
+
+def _check_view(view: onnx.ModelProto, base_dir: str) -> None:
+    if base_dir and external_tensors(view):
         # The checker finds external data relative to the working directory when it is given
         # a proto rather than a path; the model's own folder is the right base.
-        with _CWD_LOCK, contextlib.chdir(model.base_dir):
-            onnx.checker.check_model(proto)
+        with _CWD_LOCK, contextlib.chdir(base_dir):
+            onnx.checker.check_model(view)
     else:
-        onnx.checker.check_model(proto)
-    onnx.shape_inference.infer_shapes(proto, strict_mode=True)
+        onnx.checker.check_model(view)
+
+
+def validate(model: Model) -> None:
+    """Whole-model check: the ONNX checker and strict shape inference, on the model without
+    its large weights' bytes (:func:`check_structure`)."""
+    view, _ = weight_free_view(model.flush(), for_checker=True)
+    _check_view(view, model.base_dir)
+    onnx.shape_inference.infer_shapes(view, strict_mode=True)

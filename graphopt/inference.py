@@ -87,19 +87,26 @@ def _without_values(tensor: onnx.TensorProto) -> onnx.TensorProto:
     return bare
 
 
-def weight_free_view(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+def weight_free_view(model: onnx.ModelProto, *, for_checker: bool = False
+                     ) -> tuple[onnx.ModelProto, int]:
     """A copy of ``model`` for shape inference, and how many graph inputs it declares.
     Small initializers are copied; a large one keeps its name, type and dims but not its
     bytes; a large int32/int64 vector (whose value propagation would try to read) becomes a
     graph input of its type instead, appended after the declared ones. Large Constant
-    values of the main graph lose their bytes the same way (int vectors stay)."""
+    values of the main graph lose their bytes the same way (int vectors stay).
+
+    ``for_checker``: a view the ONNX checker accepts (it refuses a tensor without its bytes):
+    every large initializer becomes a graph input of its type, and Constants keep their
+    values; so does an external tensor of any size (the checker would look for its file
+    relative to the working directory). The checker then checks everything but those
+    tensors' contents."""
     view = onnx.ModelProto(ir_version=model.ir_version)
     view.opset_import.extend(model.opset_import)
     view.functions.extend(model.functions)
     src, graph = model.graph, view.graph
     graph.name = src.name
     for node in src.node:
-        graph.node.append(_light_constant(node) or node)
+        graph.node.append(node if for_checker else (_light_constant(node) or node))
     graph.input.extend(src.input)
     graph.output.extend(src.output)
     graph.value_info.extend(src.value_info)
@@ -107,9 +114,10 @@ def weight_free_view(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     declared = len(graph.input)
     inputs = {vi.name for vi in src.input}
     for tensor in src.initializer:
-        if _keeps_values(tensor):
+        external = tensor.data_location == onnx.TensorProto.EXTERNAL
+        if _keeps_values(tensor) and not (for_checker and external):
             graph.initializer.append(tensor)
-        elif tensor.data_type in _SHAPE_INTS and len(tensor.dims) <= 1:
+        elif for_checker or (tensor.data_type in _SHAPE_INTS and len(tensor.dims) <= 1):
             if tensor.name not in inputs:
                 graph.input.append(onnx.helper.make_tensor_value_info(
                     tensor.name, tensor.data_type, list(tensor.dims)))

@@ -1,7 +1,9 @@
 """Loading and saving models: clear errors for bad files, atomic writes, external data.
 
-Weights stored as external data are never read into memory on load; on save they are
-streamed, in chunks, into one data file beside the output.
+Weights are never read into memory on load: external data stays in its files, and a model
+file's large inline weights stay in the model file, referenced where they lie
+(:mod:`graphopt.weight_refs`). On save both are streamed, in chunks: external data into one
+data file beside the output, inline weights back into the output model.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import numpy_helper
 
+from . import weight_refs
+from .checks import check_structure
 from .errors import GraphoptError
 from .ir import Model
 from .ir import external_tensors as _external_tensors
@@ -34,55 +38,92 @@ def load(source, *, check: bool = True) -> Model:
 
     A model file and each of its external data files must be regular files; every external
     data file is opened once, here, checked through the open descriptor, and kept open: the
-    weights are later read (saved, folded, trained) from that descriptor, never by name."""
+    weights are later read (saved, folded, trained) from that descriptor, never by name. A
+    model file whose large weights are inline is kept open the same way, its weights left
+    where they are (:mod:`graphopt.weight_refs`)."""
+    opened = None
     if isinstance(source, onnx.ModelProto):
         proto = onnx.ModelProto()
         proto.CopyFrom(source)
         path = None
     else:
         path = os.fspath(source)
-        proto = _read_proto(path)
-    _check_looks_like_onnx(proto, path)
-    _refuse_undecodable_names(proto, path)
-    model = Model(proto, path)
-    if check:
-        model.external = _check_external_data(proto, path)
-        try:
-            onnx.checker.check_model(path if _uses_external_data(proto) and path else proto)
-        except onnx.checker.ValidationError as exc:
-            raise GraphoptError(f"{path or 'model'}: invalid ONNX model: {_first_line(exc)}") \
-                from None
+        proto, opened = _read_proto(path)
+    try:
+        _check_looks_like_onnx(proto, path)
+        _refuse_undecodable_names(proto, path)
+        model = Model(proto, path)
+        if opened is not None:  # the model file holds its own weights
+            model.external = ExternalFiles(path, own_file=opened)
+            opened = None
+        if check:
+            model.external = _check_external_data(proto, path, model.external)
+            _check_inline_sizes(proto, path)
+            try:
+                check_structure(proto, model.base_dir)
+            except onnx.checker.ValidationError as exc:
+                raise GraphoptError(f"{path or 'model'}: invalid ONNX model: "
+                                    f"{_first_line(exc)}") from None
+    finally:
+        if opened is not None:
+            os.close(opened[0])
     return model
+
+
+def _check_inline_sizes(proto: onnx.ModelProto, path: str | None) -> None:
+    """Each inline ``raw_data`` holds what its dims and type need. (The ONNX checker checks
+    this too, but :func:`check_structure` shows it no large weight.)"""
+    for tensor in proto.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL or not tensor.HasField("raw_data"):
+            continue
+        expected = _byte_size(tensor)
+        if expected is not None and expected >= weight_refs.MIN_REFERENCED_BYTES:
+            held = len(tensor.raw_data)
+            if held != expected:
+                raise GraphoptError(f"{path or 'model'}: invalid ONNX model: tensor "
+                                    f"'{tensor.name}' holds {held} bytes of raw data; its dims "
+                                    f"and type need {expected}")
 
 
 # A serialized ModelProto cannot be larger (protobuf's limit): bigger weights are external.
 MAX_MODEL_BYTES = (2 << 30) - 1
 
 
-def _read_proto(path: str) -> onnx.ModelProto:
+def _read_proto(path: str) -> tuple[onnx.ModelProto, tuple[int, os.stat_result] | None]:
+    """The model in the file, and the file, still open, when the model references its large
+    weights in it (None when it holds them all)."""
     if not os.path.exists(path):
         raise GraphoptError(f"{path}: no such file")
     if os.path.isdir(path):
         raise GraphoptError(f"{path}: is a directory, not an ONNX file")
     fd, st = open_regular(path, "model")
+    keep_open = False
     try:
         if st.st_size == 0:
             raise GraphoptError(f"{path}: empty file, not an ONNX model")
         if st.st_size > MAX_MODEL_BYTES:
             raise GraphoptError(f"{path}: {st.st_size} bytes is more than an ONNX protobuf "
                                 "can hold (2 GiB); store the weights as external data")
+        try:
+            proto = weight_refs.read_without_weights(fd, st.st_size, os.path.basename(path))
+        except (DecodeError, RuntimeError, ValueError):
+            proto = None  # parsed as a whole below, which says what is wrong
+        if proto is not None:
+            keep_open = True
+            return proto, (fd, st)
         data = _pread_exactly(fd, st.st_size, 0, path)
     except OSError as exc:
         raise GraphoptError(f"{path}: cannot read: {exc.strerror}") from None
     finally:
-        os.close(fd)
+        if not keep_open:
+            os.close(fd)
     proto = onnx.ModelProto()
     try:
         proto.ParseFromString(data)
     except (DecodeError, RuntimeError, ValueError):
         raise GraphoptError(f"{path}: not an ONNX model (protobuf parse failed; truncated?)") \
             from None
-    return proto
+    return proto, None
 
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
@@ -186,15 +227,17 @@ def _external_info(tensor: onnx.TensorProto) -> dict[str, str]:
     return {e.key: e.value for e in tensor.external_data}
 
 
-def _check_external_data(proto: onnx.ModelProto, path: str | None) -> ExternalFiles | None:
+def _check_external_data(proto: onnx.ModelProto, path: str | None,
+                         files: ExternalFiles | None = None) -> ExternalFiles | None:
     """External data must stay inside the model's folder, be regular files and hold every
-    tensor's bytes: no path tricks. Returns the files, open, for reading later."""
+    tensor's bytes: no path tricks. Returns the files, open, for reading later (``files``:
+    those already open, the model file's own among them)."""
     tensors = _external_tensors(proto)
     if not tensors:
-        return None
+        return files
     if path is None:
         raise GraphoptError("model has external data but was given without a path to find it")
-    files = ExternalFiles(path)
+    files = files or ExternalFiles(path)
     try:
         for tensor in tensors:
             files.check(tensor)
@@ -211,19 +254,35 @@ class ExternalFiles:
     resolving symlinks and ``..``). The file is then opened without following a final
     symlink and the open descriptor itself is checked: a regular file whose real path (from
     the kernel, /proc/self/fd) is inside the folder. Everything read later comes from that
-    descriptor, so a file swapped for a symlink after the check is never read."""
+    descriptor, so a file swapped for a symlink after the check is never read.
 
-    def __init__(self, model_path: str):
+    ``own_file``: the model file itself, open, when its weights are referenced in it
+    (:mod:`graphopt.weight_refs`); their location is the file's own name, and they are
+    written back inline (:attr:`own_location`)."""
+
+    def __init__(self, model_path: str,
+                 own_file: tuple[int, os.stat_result] | None = None):
         self.model_path = model_path
         self.base = os.path.realpath(os.path.dirname(os.path.abspath(model_path)))
         self.opened: dict[str, tuple[int, os.stat_result]] = {}  # location -> (fd, fstat)
+        self.own_location = None
+        if own_file is not None:
+            self.own_location = os.path.basename(model_path)
+            self.opened[self.own_location] = own_file
         self._finalizer = weakref.finalize(self, _close_all, self.opened)
+
+    def is_own(self, tensor: onnx.TensorProto) -> bool:
+        """A weight referenced in the model file itself, not in an external data file."""
+        return (self.own_location is not None
+                and _external_info(tensor).get("location") == self.own_location)
 
     def close(self) -> None:
         self._finalizer()
 
     def stats(self) -> list[tuple[str, os.stat_result]]:
-        return [(location, st) for location, (_, st) in self.opened.items()]
+        """(location, stat) of each external data file (the model file itself is not one)."""
+        return [(location, st) for location, (_, st) in self.opened.items()
+                if location != self.own_location]
 
     def _refuse(self, tensor, why: str) -> GraphoptError:
         return GraphoptError(f"{self.model_path}: tensor '{tensor.name}' {why}")
@@ -242,6 +301,10 @@ class ExternalFiles:
             raise self._refuse(tensor, f"external data file {location!r} is missing")
         fd, st = open_regular(target, f"external data file of tensor '{tensor.name}'",
                               follow=False)
+        if st.st_nlink > 1:  # as ONNX's checker: another name could be written meanwhile
+            os.close(fd)
+            raise self._refuse(tensor, f"has external data in {location!r}, a file with more "
+                                       "than one name (hard link): refused, as ONNX refuses it")
         real = _fd_path(fd)
         if (real is not None and not _inside(real, self.base)) or (
                 real is None and _identity(os.stat(target)) != _identity(st)):
@@ -263,6 +326,9 @@ class ExternalFiles:
             raise self._refuse(tensor, f"external data runs past the end of {location!r}")
         expected = _byte_size(tensor)
         if expected is not None and expected != length:
+            if self.is_own(tensor):
+                raise self._refuse(tensor, f"holds {length} bytes of raw data; its dims and "
+                                           f"type need {expected}")
             raise self._refuse(tensor, f"declares {expected} bytes of external data but "
                                        f"{location!r} holds {length} for it")
         return fd, offset, length
@@ -275,12 +341,13 @@ class ExternalFiles:
         inline = onnx.TensorProto()
         inline.CopyFrom(tensor)
         inline.raw_data = self.read(tensor)
-        inline.data_location = onnx.TensorProto.DEFAULT
+        inline.ClearField("data_location")
         del inline.external_data[:]
         return numpy_helper.to_array(inline)
 
-    def copy(self, tensor: onnx.TensorProto, dst, digest) -> int:
-        """Append a tensor's bytes to ``dst`` chunk by chunk; returns the length."""
+    def copy(self, tensor: onnx.TensorProto, dst, digest=None) -> int:
+        """Append a tensor's bytes to ``dst`` chunk by chunk (and to ``digest``); returns
+        the length."""
         fd, offset, length = self.check(tensor)
         remaining = length
         while remaining:
@@ -288,7 +355,8 @@ class ExternalFiles:
             if not chunk:
                 raise GraphoptError(f"external data for '{tensor.name}' ends early")
             dst.write(chunk)
-            digest.update(chunk)
+            if digest is not None:
+                digest.update(chunk)
             offset += len(chunk)
             remaining -= len(chunk)
         return length
@@ -356,7 +424,7 @@ def load_external_data(model: Model) -> None:
     files = external_files(model)
     for tensor in _external_tensors(model.proto):
         tensor.raw_data = files.read(tensor)
-        tensor.data_location = onnx.TensorProto.DEFAULT
+        tensor.ClearField("data_location")
         del tensor.external_data[:]
 
 
@@ -547,25 +615,28 @@ def save(model: Model, out: str, *, protect: ProtectedFiles | None = None,
     mode = file_mode_for(out)
     remove_stale_temporaries(folder, stem)
     external = _external_tensors(proto)
+    files = external_files(model) if external else None
+    inline = _writes_inline(proto, files)
+    to_data_file = [t for t in external if not inline(t)]
     staged: list[str] = []  # what to delete if the save fails
     try:
-        if not external:
-            model_tmp = _write_temp(folder, stem, proto.SerializeToString(), mode, staged)
+        if not to_data_file:
+            model_tmp = _write_model_temp(proto, files, inline, folder, stem, mode, staged)
             publish_checks(out)
             _publish(model_tmp, out, staged)
             return [out]
         out_proto = onnx.ModelProto()
         out_proto.CopyFrom(proto)
-        data_tmp, extents, digest = _stage_external_data(external, external_files(model),
-                                                         folder, stem, mode, staged)
+        data_tmp, extents, digest = _stage_external_data(to_data_file, files, folder, stem,
+                                                         mode, staged)
         size = os.stat(data_tmp).st_size
         with _folder_lock(folder):
             data_name, reuse = _data_name(folder, stem, digest, size)
-            for tensor, (offset, length) in zip(_external_tensors(out_proto), extents,
-                                                strict=True):
+            moved = [t for t in _external_tensors(out_proto) if not inline(t)]
+            for tensor, (offset, length) in zip(moved, extents, strict=True):
                 _set_external(tensor, location=data_name, offset=str(offset),
                               length=str(length))
-            model_tmp = _write_temp(folder, stem, out_proto.SerializeToString(), mode, staged)
+            model_tmp = _write_model_temp(out_proto, files, inline, folder, stem, mode, staged)
             data_path = os.path.join(folder, data_name)
             publish_checks(out)
             if reuse:  # the same bytes are already there, under their name
@@ -582,6 +653,38 @@ def save(model: Model, out: str, *, protect: ProtectedFiles | None = None,
             with contextlib.suppress(OSError):
                 os.unlink(tmp_path)
         raise
+
+
+def _writes_inline(proto: onnx.ModelProto, files: ExternalFiles | None):
+    """Which external tensors the output holds inline: the weights referenced in the input
+    model file (it held them inline), as long as the output stays within protobuf's 2 GiB;
+    past that, they go to the data file like the others."""
+    if files is None or files.own_location is None:
+        return lambda tensor: False
+    _, total = weight_refs.encoded_pieces(proto, lambda t: _own_length(files, t))
+    if total > MAX_MODEL_BYTES:
+        return lambda tensor: False
+    return files.is_own
+
+
+def _own_length(files: ExternalFiles, tensor: onnx.TensorProto) -> int | None:
+    return files.check(tensor)[2] if files.is_own(tensor) else None
+
+
+def _write_model_temp(proto, files, inline, folder, stem, mode, staged) -> str:
+    """The model in a new temporary file, with the weights ``inline`` says are inline
+    streamed into it from the input model file."""
+    if files is None or not any(inline(t) for t in proto.graph.initializer):
+        return _write_temp(folder, stem, proto.SerializeToString(), mode, staged)
+    pieces, _ = weight_refs.encoded_pieces(
+        proto, lambda t: files.check(t)[2] if inline(t) else None)
+    tmp = _temp_in(folder, stem, mode)
+    staged.append(tmp)
+    with open(tmp, "wb") as f:
+        weight_refs.write_with_weights(pieces, f, lambda tensor, dst: files.copy(tensor, dst))
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
 
 
 def _publish(tmp: str, out: str, staged: list[str]) -> None:
