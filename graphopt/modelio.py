@@ -8,6 +8,7 @@ data file beside the output, inline weights back into the output model.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
@@ -346,9 +347,13 @@ class ExternalFiles:
         return numpy_helper.to_array(inline)
 
     def copy(self, tensor: onnx.TensorProto, dst, digest=None) -> int:
-        """Append a tensor's bytes to ``dst`` chunk by chunk (and to ``digest``); returns
-        the length."""
+        """Append a tensor's bytes to the binary file object ``dst``; returns the length.
+        With a ``digest`` they are read chunk by chunk and hashed on the way; without one the
+        kernel copies them (copy_file_range: no pass through this process, and a shared
+        copy-on-write extent on filesystems that have them)."""
         fd, offset, length = self.check(tensor)
+        if digest is None and _kernel_copy(fd, offset, length, dst):
+            return length
         remaining = length
         while remaining:
             chunk = os.pread(fd, min(EXTERNAL_COPY_CHUNK, remaining), offset)
@@ -360,6 +365,58 @@ class ExternalFiles:
             offset += len(chunk)
             remaining -= len(chunk)
         return length
+
+    def fingerprint(self, tensors) -> bytes:
+        """What identifies the bytes of ``tensors`` without reading them: each file's
+        identity, size and modification and change times (now, from the open descriptor),
+        and each tensor's extent in it; b"" when a file changed too recently for its times to
+        tell (its times may not move again for a write within their granularity: then only
+        the content can name it)."""
+        now = time.time_ns()
+        parts = []
+        for location, (fd, _) in sorted(self.opened.items()):
+            st = os.fstat(fd)
+            if now - max(st.st_mtime_ns, st.st_ctime_ns) < RECENT_CHANGE_NS:
+                return b""
+            parts.append(f"{location}\0{st.st_dev}:{st.st_ino}:{st.st_size}:"
+                         f"{st.st_mtime_ns}:{st.st_ctime_ns}")
+        for tensor in tensors:
+            _, offset, length = self.check(tensor)
+            parts.append(f"{_external_info(tensor).get('location', '')}\0{offset}:{length}")
+        return "\n".join(parts).encode("utf-8", "surrogateescape")
+
+
+# A file modified within this long is named by its content (the racy-timestamp rule git uses).
+RECENT_CHANGE_NS = 2_000_000_000
+
+
+def _kernel_copy(src: int, offset: int, length: int, dst) -> bool:
+    """Copy ``length`` bytes at ``offset`` of ``src`` to the end of ``dst`` with
+    copy_file_range; False (nothing written) where the kernel or filesystem has none."""
+    copy_range = getattr(os, "copy_file_range", None)
+    if copy_range is None or length == 0:
+        return length == 0
+    dst.flush()
+    out = dst.fileno()
+    start = position = os.lseek(out, 0, os.SEEK_END)
+    try:
+        while position - start < length:
+            copied = copy_range(src, out, length - (position - start), offset + position - start,
+                                position)
+            if copied == 0:
+                raise GraphoptError("external data ends early (changed while it was copied?)")
+            position += copied
+    except OSError as exc:
+        if position != start or exc.errno not in _NO_KERNEL_COPY:
+            raise
+        return False
+    dst.seek(position)
+    return True
+
+
+_NO_KERNEL_COPY = {getattr(errno, name) for name in ("ENOSYS", "EXDEV", "EINVAL", "EOPNOTSUPP",
+                                                      "ENOTSUP", "EBADF", "EPERM")
+                   if hasattr(errno, name)}
 
 
 def _close_all(opened: dict) -> None:
@@ -589,7 +646,8 @@ def save(model: Model, out: str, *, protect: ProtectedFiles | None = None,
     """Write atomically: temporary files in the output folder, fsync, then rename; returns
     the files published (the model, then its data file if it has one).
 
-    External data goes to ``<out>.<digest>.data``, named after its content, and is published
+    External data goes to ``<out>.<digest>.data``, named after its content (by the input
+    files it is copied from, unchanged: :meth:`ExternalFiles.fingerprint`), and is published
     before the model: a model file on disk only ever points at a complete data file. The
     publication (data file, then model) happens under a lock on the output folder, so two
     saves to the same path leave one of the two complete pairs. No file this save did not
@@ -862,23 +920,29 @@ def _set_external(tensor: onnx.TensorProto, **values: str) -> None:
 
 
 def _stage_external_data(external, files: ExternalFiles, folder, stem, mode, staged):
-    """Copy every external tensor's bytes, chunk by chunk, from the input's checked
-    descriptors into one new temporary data file; returns that file, each tensor's
-    (offset, length) in it and a digest of its content."""
+    """Copy every external tensor's bytes from the input's checked descriptors into one new
+    temporary data file; returns that file, each tensor's (offset, length) in it and the
+    digest that names it. The digest is of the sources' fingerprint
+    (:meth:`ExternalFiles.fingerprint`: the same input files, unchanged, give the same
+    bytes) and the kernel copies the bytes; a source changed too recently to be known by its
+    times is read and the digest is of the content."""
     tmp = _temp_in(folder, stem + ".data", mode)
     staged.append(tmp)
-    digest = hashlib.sha256()
+    fingerprint = files.fingerprint(external)
+    digest = hashlib.sha256(b"sources\n" + fingerprint)
+    content = None if fingerprint else hashlib.sha256()
     extents = []
     with open(tmp, "wb") as dst:
         for source_tensor in external:
             pad = b"\0" * ((-dst.tell()) % 4096)
             dst.write(pad)
-            digest.update(pad)
+            if content is not None:
+                content.update(pad)
             offset = dst.tell()
-            extents.append((offset, files.copy(source_tensor, dst, digest)))
+            extents.append((offset, files.copy(source_tensor, dst, content)))
         dst.flush()
         os.fsync(dst.fileno())
-    return tmp, extents, digest.hexdigest()[:DIGEST_CHARS]
+    return tmp, extents, (content or digest).hexdigest()[:DIGEST_CHARS]
 
 
 @contextlib.contextmanager

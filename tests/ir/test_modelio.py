@@ -257,3 +257,32 @@ def test_bad_files_are_one_line_errors(tmp_path, content, message):
     with pytest.raises(graphopt.GraphoptError, match=message) as info:
         graphopt.load(str(path))
     assert "\n" not in str(info.value)
+
+
+def test_the_data_file_is_named_by_its_unchanged_sources_and_copied_by_the_kernel(tmp_path):
+    """Input files unchanged for a while: the data file's name comes from their identity,
+    times and the extents copied (no pass over the bytes to hash them), and the same save
+    again reuses it. Changing the source's bytes names a new file, whose bytes are the new
+    ones. (A source changed just now is named by its content: the racy-timestamp rule.)"""
+    src = save_external(weights_model(), tmp_path / "src")
+    data = tmp_path / "src" / "w.bin"
+    (tmp_path / "out").mkdir()
+    out = str(tmp_path / "out" / "o.onnx")
+    quiet = modelio.RECENT_CHANGE_NS / 1e9 + 0.2
+    import time
+    time.sleep(quiet)
+    first = graphopt.optimize_file(src, out).written
+    again = graphopt.optimize_file(src, out).written
+    assert first == again and len(first) == 2
+    assert sorted(os.listdir(tmp_path / "out")) == sorted(os.path.basename(p) for p in first)
+    np.testing.assert_allclose(run_ort(out, FEEDS)[0], expected_y(), rtol=1e-5, atol=1e-5)
+    save_external(weights_model(seed=1), tmp_path / "new")
+    inode = data.stat().st_ino
+    with open(data, "r+b") as f:  # the new bytes written over the old, in the same file
+        f.write((tmp_path / "new" / "w.bin").read_bytes())
+    assert data.stat().st_ino == inode  # same file, same size: only the times tell
+    time.sleep(quiet)
+    third = graphopt.optimize_file(src, out).written
+    assert third[1] != first[1] and os.path.exists(first[1])  # the earlier file is kept
+    np.testing.assert_allclose(run_ort(out, FEEDS)[0], expected_y(seed=1), rtol=1e-5,
+                               atol=1e-5)
