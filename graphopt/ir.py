@@ -987,6 +987,28 @@ class Graph:
         self.changed = self._changed_before or self._flushed_in_transaction
 
     # ---- writing back --------------------------------------------------------------
+    def _flush_initializers(self) -> None:
+        """The proto's initializers become the table's, in its order. A tensor the proto
+        already holds stays where it is: protobuf copies every message it is given, and the
+        weights are most of a model's bytes. So the removed ones are deleted and the added
+        ones appended (the table then holds the proto's copy)."""
+        out, wanted = self.proto.initializer, self._initializers
+        for index in range(len(out) - 1, -1, -1):
+            tensor = out[index]
+            if wanted.get(tensor.name) is not tensor:
+                del out[index]  # removed, or replaced by another tensor of that name
+        present = {tensor.name for tensor in out}
+        for name, tensor in wanted.items():
+            if name not in present:
+                out.append(tensor)
+                wanted[name] = out[len(out) - 1]
+        if [tensor.name for tensor in out] != list(wanted):  # a name re-added earlier on
+            kept = list(wanted.values())
+            del out[:]
+            out.extend(kept)
+            for index, name in enumerate(wanted):
+                wanted[name] = out[index]
+
     def flush(self) -> None:
         """Write nodes (in order), initializers and inferred types back into the proto."""
         if not self.changed:
@@ -1003,10 +1025,7 @@ class Graph:
                 node.write(out.add())
                 run_start = i + 1
         out.extend(ordered[run_start:])
-        if [t.name for t in self.proto.initializer] != list(self._initializers):
-            kept = list(self._initializers.values())
-            del self.proto.initializer[:]
-            self.proto.initializer.extend(kept)
+        self._flush_initializers()
         live = set(self._producer) | set(self._consumers)
         stale = [vi for vi in self.proto.value_info if vi.name not in live]
         if stale:

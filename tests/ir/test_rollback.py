@@ -69,3 +69,33 @@ def test_a_pass_whose_only_change_breaks_the_model_is_rolled_back():
            validate_each=True).run(model, report)
     assert report.rules["test_bypass"].rollbacks == 1
     onnx.checker.check_model(model.flush(), full_check=True)
+
+
+def test_a_flush_keeps_the_tensors_the_proto_holds_and_their_order():
+    """Removing and adding initializers rewrites only those: every other tensor is the very
+    message the proto held (protobuf copies what it is given: a whole-list rewrite copied
+    every weight at every flush), and the order is the table's, with a re-added name last."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    from graphopt.ir import Model
+
+    tensors = [numpy_helper.from_array(np.full(4, i, np.float32), f"t{i}") for i in range(4)]
+    graph = helper.make_graph([helper.make_node("Add", ["t0", "t1"], ["y"])], "g", [],
+                              [helper.make_tensor_value_info("y", 1, [4])], tensors)
+    model = Model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    g = model.graph
+    held = {t.name: t for t in model.proto.graph.initializer}
+    g.remove_initializer("t2")
+    g.add_initializer(numpy_helper.from_array(np.zeros(2, np.float32), "new"))
+    model.flush()
+    names = [t.name for t in model.proto.graph.initializer]
+    assert names == ["t0", "t1", "t3", "new"]
+    for tensor in model.proto.graph.initializer[:3]:
+        assert tensor is held[tensor.name]
+    g.remove_initializer("t0")
+    g.add_initializer(numpy_helper.from_array(np.ones(4, np.float32), "t0"))
+    model.flush()
+    assert [t.name for t in model.proto.graph.initializer] == ["t1", "t3", "new", "t0"]
+    assert numpy_helper.to_array(model.proto.graph.initializer[3]).tolist() == [1, 1, 1, 1]
+    assert model.proto.graph.initializer[0] is held["t1"]
