@@ -12,6 +12,7 @@ import click
 from graphopt import api, modelio
 from graphopt.console import INTERRUPTED, printable
 from graphopt.errors import GraphoptError, Terminated
+from graphopt.profile import Profile
 from graphopt.registry import all_rules
 
 # The library's messages name its Python parameters; on the command line the same advice
@@ -194,12 +195,15 @@ def main():
 @click.option("--explain", multiple=True, metavar="NAME",
               help="Show why this rule did not match where it almost did.")
 @click.option("--in-place", is_flag=True, help="Allow overwriting the input model.")
+@click.option("--profile", "profile", is_flag=True,
+              help="Also time and peak memory of each phase: load, each rule, type inference, "
+                   "validation, save.")
 @click.option("-v", "--verbose", is_flag=True,
               help="Also the rules selected and every op type's count before and after.")
 @click.option("-q", "--quiet", is_flag=True, help="Only errors.")
 @user_errors
 def optimize(model, output, level, only, enable, disable, provider, input_shapes, check_runs,
-             dry_run, report_file, explain, in_place, verbose, quiet):
+             dry_run, report_file, explain, in_place, profile, verbose, quiet):
     """Rewrite MODEL with the built-in (and plugin) rules."""
     if verbose and quiet:
         raise GraphoptError("-v/--verbose and -q/--quiet contradict each other")
@@ -219,10 +223,11 @@ def optimize(model, output, level, only, enable, disable, provider, input_shapes
         if not result.ok:
             raise GraphoptError(result.format() + "; nothing written")
 
+    phases = Profile() if profile else None
     report = api.optimize_file(model, output, in_place=in_place, dry_run=dry_run, level=level,
                                only=list(only), enable=list(enable), disable=list(disable),
                                provider=provider, explain=list(explain), input_shapes=shapes,
-                               before_save=check if check_runs else None,
+                               before_save=check if check_runs else None, profile=phases,
                                also_writes={"--report": None if to_stdout else report_file})
     if verbose:
         say("rules run: " + ", ".join(report.rules))
@@ -233,6 +238,8 @@ def optimize(model, output, level, only, enable, disable, provider, input_shapes
         say(report.format_explain(name))
     for result in checked:
         say(result.format())
+    if phases is not None:
+        say(phases.format())
     if to_stdout:
         click.echo(report.to_json())
     elif report_file:

@@ -1,6 +1,7 @@
 """The importable entry points: ``optimize`` and ``optimize_file``."""
 from __future__ import annotations
 
+import contextlib
 import difflib
 import operator
 import os
@@ -15,6 +16,7 @@ from .dsl import Pass, Rule
 from .engine import Engine, validate
 from .errors import GraphoptError
 from .ir import Model
+from .profile import Profile
 from .registry import all_rules
 from .report import Report
 
@@ -139,9 +141,10 @@ def optimize_loaded(model: Model, rules: list, *, explain: Iterable[str] = (),
 
 
 def _optimize_model(model: Model, rules: list, *, explain: Iterable[str] = (),
-                    selection: dict | None = None):
+                    selection: dict | None = None, profile: Profile | None = None):
     """(the validated Model, which is not ``model`` when a careful replay rolled a rewrite
-    back, and the Report)."""
+    back, and the Report). ``profile``: where the rewrite and validation phases go."""
+    phase = profile.phase if profile is not None else _no_phase
     explain = rule_names(explain, "explain")
     known = {r.name for r in all_rules().values()} | {r.name for r in rules}
     for name in explain:
@@ -155,11 +158,18 @@ def _optimize_model(model: Model, rules: list, *, explain: Iterable[str] = (),
         if name not in chosen:
             report.gated[name] = why_not_selected(name, **(selection or {}))
     start = time.perf_counter()
-    Engine(rules, explain=explain).run(model, report)
+    with phase("rewrites"):
+        Engine(rules, explain=explain).run(model, report)
+    if profile is not None:
+        for stats in report.rules.values():
+            profile.add(f"  {stats.name}", stats.seconds)
+        profile.add("  whole-model type inference (within the rewrites)",
+                    model.inference_seconds)
     if model.graph.changed or any(g.changed for g in model.graphs()):
         check_start = time.perf_counter()
         try:
-            validate(model)
+            with phase("validation"):
+                validate(model)
         except INVALID as exc:
             reason = _why_invalid(original, model.path)
             if reason is not None:  # the input was already broken, not made so by a rule
@@ -176,6 +186,11 @@ def _optimize_model(model: Model, rules: list, *, explain: Iterable[str] = (),
     report.op_types_before = op_types_before
     report.op_types_after = op_type_counts(model)
     return model, report
+
+
+@contextlib.contextmanager
+def _no_phase(name: str):
+    yield None
 
 
 def op_type_counts(model: Model) -> dict[str, int]:
@@ -238,7 +253,10 @@ def optimize_file(source: str, out: str | None, *, in_place: bool = False, dry_r
     for option, path in also_writes.items():
         modelio.check_output_path(path, source, what=option)
     modelio.refuse_same_outputs({**({} if dry_run else {"-o": target}), **also_writes})
-    model = modelio.load(source)
+    profile = options.pop("profile", None)
+    phase = profile.phase if profile is not None else _no_phase
+    with phase("load"):
+        model = modelio.load(source)
     # now that its external data files are known (and open), none of them may be an output
     for option, path in [*([] if dry_run else [("output", target)]), *also_writes.items()]:
         modelio.refuse_input_files(path, model, in_place, what=option)
@@ -255,13 +273,14 @@ def optimize_file(source: str, out: str | None, *, in_place: bool = False, dry_r
     explain = options.pop("explain", ())
     # save what validation accepted: a failed final check replays into a new Model
     model, report = _optimize_model(model, select_rules(**options), explain=explain,
-                                    selection=options)
+                                    selection=options, profile=profile)
     optimized = model.flush()
     if before_save is not None:
         before_save(original, optimized)   # e.g. --check: raises to write nothing
     if not dry_run:
         try:
-            report.written = modelio.save(model, target)
+            with phase("save"):
+                report.written = modelio.save(model, target)
         except OSError as exc:
             raise GraphoptError(f"{target}: cannot write: {exc.strerror or exc}") from None
     report.model = os.fspath(source)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from collections.abc import Iterable, Iterator
 from sys import intern
 
@@ -1050,6 +1051,7 @@ class Model:
         self._subgraphs: dict[int, Graph] = {}
         self._inferred = False
         self._found: dict[str, onnx.TypeProto] | None = None
+        self.inference_seconds = 0.0  # spent in whole-model inference (optimize --profile)
 
     @property
     def opsets(self) -> dict[str, int]:
@@ -1125,18 +1127,20 @@ class Model:
         declaration that lies cannot leak into the result. Computed once per model."""
         if self._found is not None:
             return self._found
+        start = time.perf_counter()
         self._found = {}
         proto = self.flush()
         hidden = _hide_declarations(proto.graph)
         try:
             with contrib_stand_ins(proto):
                 inferred = bounded_infer_shapes(proto)
+            _collect_value_info(inferred.graph, self._found)
+            _complete_after_contrib_ops(inferred, self._found)
         except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError):
-            return self._found
+            pass
         finally:
             _restore_declarations(hidden)
-        _collect_value_info(inferred.graph, self._found)
-        _complete_after_contrib_ops(inferred, self._found)
+            self.inference_seconds += time.perf_counter() - start
         return self._found
 
     def has_external_data(self) -> bool:

@@ -255,3 +255,19 @@ g (float[N, 4, 6] x) => (float[N, 24] y) {
     assert result.exit_code == 0, result.output
     assert len(onnx.load(kept).graph.node) == 5
     assert [n.op_type for n in onnx.load(fixed).graph.node] == ["Reshape"]
+
+
+def test_profile_lists_each_phase_with_its_time_and_peak(tmp_path):
+    out = tmp_path / "o.onnx"
+    result = CliRunner().invoke(main, ["optimize", fixture_path("hf_falcon_mqa_ts17.onnx"),
+                                       "-o", str(out), "--profile"])
+    assert result.exit_code == 0, result.output
+    table = result.output[result.output.index("phase "):].splitlines()
+    rows = {line[:50].strip(): line[50:].split() for line in table[2:] if line.strip()
+            and not line.startswith("wrote")}
+    for phase in ("load", "rewrites", "validation", "save"):
+        ms, peak = rows[phase]
+        assert float(ms.replace(",", "")) >= 0 and float(peak.replace(",", "")) > 10
+    assert rows["gather_slice_to_split"][1] == "-"   # a rule: its time, within rewrites
+    assert "whole-model type inference (within the rewrites)" in rows
+    assert out.exists()
