@@ -36,7 +36,7 @@ import numpy as np
 import onnx
 
 from graphopt.errors import GraphoptError
-from graphopt.inference import infer_shapes as bounded_infer_shapes
+from graphopt.tensor_types import infer_types as service_types
 
 from .errors import ExecutorError
 from .output_sizes import NoSizeEstimateError, output_types
@@ -167,16 +167,19 @@ def available_bytes(backend) -> int | None:
 
 
 # ---- sizes ----------------------------------------------------------------------------
+def _as_type(type_proto: onnx.TypeProto) -> tuple[int, list] | None:
+    """(elem_type, dims) of a tensor type with an element type and a rank, else None."""
+    tt = type_proto.tensor_type if type_proto.HasField("tensor_type") else None
+    if tt is None or not tt.elem_type or not tt.HasField("shape"):
+        return None
+    return tt.elem_type, [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                          for d in tt.shape.dim]
+
+
 def _value_info_types(graph: onnx.GraphProto) -> dict[str, tuple[int, list]]:
-    found: dict[str, tuple[int, list]] = {}
-    for vi in [*graph.input, *graph.value_info, *graph.output]:
-        tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
-        if tt is None or not tt.elem_type or not tt.HasField("shape"):
-            continue
-        dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
-                for d in tt.shape.dim]
-        found[vi.name] = (tt.elem_type, dims)
-    return found
+    found = {vi.name: _as_type(vi.type)
+             for vi in [*graph.input, *graph.value_info, *graph.output]}
+    return {name: t for name, t in found.items() if t is not None}
 
 
 def _itemsize(elem_type: int) -> int | None:
@@ -203,26 +206,18 @@ def _bytes(elem_type: int, dims: list, symbols: Mapping[str, int]) -> int | None
 
 def infer_types(model: onnx.ModelProto,
                 input_shapes: Mapping[str, tuple] | None = None) -> dict[str, tuple[int, list]]:
-    """name -> (elem_type, dims) from value_info plus ONNX shape inference (with the given
-    input shapes substituted, when run() knows them)."""
+    """name -> (elem_type, dims) from value_info plus graphopt's type service (ONNX shape
+    inference on the model without its weights' bytes, completed after the com.microsoft
+    ops; with the given input shapes substituted, when run() knows them)."""
     types = _value_info_types(model.graph)
-    if input_shapes:
-        probe = onnx.ModelProto()
-        probe.CopyFrom(model)
-        del probe.graph.value_info[:]
-        for vi in probe.graph.input:
-            shape = input_shapes.get(vi.name)
-            if shape is None or not vi.type.HasField("tensor_type"):
-                continue
-            vi.type.tensor_type.ClearField("shape")
-            for d in shape:
-                vi.type.tensor_type.shape.dim.add().dim_value = int(d)
-        model = probe
     try:
-        inferred = bounded_infer_shapes(model)
+        inferred = service_types(model, input_shapes)
     except Exception:  # partial knowledge is fine: unknown sizes count as zero
         return types
-    for name, value in _value_info_types(inferred.graph).items():
+    for name, type_proto in inferred.items():
+        value = _as_type(type_proto)
+        if value is None:
+            continue
         old = types.get(name)
         if old is None or any(not isinstance(d, int) for d in old[1]):
             types[name] = value

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import onnx
 
+from graphopt.tensor_types import fused_matmul_operand_dims
 from graphopt.vocabulary import YIELD_OP, attribute_defaults
 
 from .errors import ExecutorError
@@ -113,15 +114,10 @@ def _fused_matmul(attrs, xs, value):
     if a is None or b is None:
         return [None]
 
-    def operand(dims, trans_batch, trans):
-        dims = list(dims)
+    def operand(dims, trans_batch, trans):  # as the kernel reads it: flags on a vector ignored
         if len(dims) < 2:
-            return dims
-        if trans_batch and len(dims) > 2:
-            dims = dims[1:-1] + [dims[0], dims[-1]]
-        if trans:
-            dims[-2], dims[-1] = dims[-1], dims[-2]
-        return dims
+            return list(dims)
+        return fused_matmul_operand_dims(dims, bool(trans_batch), bool(trans))
 
     ad = operand(a[1], attrs["transBatchA"], attrs["transA"])
     bd = operand(b[1], attrs["transBatchB"], attrs["transB"])

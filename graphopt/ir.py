@@ -10,7 +10,6 @@ onnx-graphsurgeon is available for interop through :meth:`Model.to_graphsurgeon`
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 import time
 from collections.abc import Iterable, Iterator
@@ -20,15 +19,18 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from .inference import infer_shapes as bounded_infer_shapes
+# TYPE_OF_INPUT, contrib_stand_ins and type_dims are the IR's to rules as well: re-exported
+from .tensor_types import TYPE_OF_INPUT as TYPE_OF_INPUT
+from .tensor_types import contrib_stand_ins as contrib_stand_ins
+from .tensor_types import infer_types
 from .vocabulary import (
     MS_DOMAIN,
     STANDARD_DOMAIN,
     STANDARD_DOMAIN_ALIAS,
     normalize_domain,
     subgraphs_of,
-    type_dims,
 )
+from .vocabulary import type_dims as type_dims
 
 _A = onnx.AttributeProto
 # (slicing a repeated field gives a list in one C call, about 2.5x faster than list())
@@ -209,37 +211,6 @@ def _hide_declarations(graph: onnx.GraphProto) -> list:
     return hidden
 
 
-# com.microsoft ops whose one output has the type and shape of one of their inputs (its index)
-# (BiasGelu's bias is a vector along its input's last axis, as ONNX Runtime requires)
-TYPE_OF_INPUT = {"Gelu": 0, "GeluGrad": 1, "FastGelu": 0, "FastGeluGrad": 1, "BiasGelu": 0,
-                 "BiasGeluGrad_dX": 1}
-
-
-@contextlib.contextmanager
-def contrib_stand_ins(model: onnx.ModelProto):
-    """Inside, the main graph's TYPE_OF_INPUT nodes are Identity nodes of the input whose type
-    they have, so ONNX shape inference (which knows no com.microsoft op) types their output
-    and everything computed from it, Shape values included (data propagation); the nodes are
-    put back on leaving. In place: the model, weights and all, is not copied."""
-    swapped = []
-    for node in model.graph.node:
-        index = TYPE_OF_INPUT.get(node.op_type)
-        if (index is None or normalize_domain(node.domain) != MS_DOMAIN
-                or len(node.input) <= index or not node.input[index]):
-            continue
-        swapped.append((node, node.SerializeToString()))
-        source = node.input[index]
-        del node.input[:], node.output[1:], node.attribute[:]
-        node.input.append(source)
-        node.op_type = "Identity"
-        node.ClearField("domain")  # the standard domain
-    try:
-        yield model
-    finally:
-        for node, original in swapped:
-            node.ParseFromString(original)
-
-
 def _restore_declarations(hidden: list) -> None:
     for graph, value_info, outputs in hidden:
         del graph.value_info[:]
@@ -268,89 +239,6 @@ def _refines(old: onnx.TypeProto, new: onnx.TypeProto) -> bool:
         return (bool(t.elem_type) + t.HasField("shape")
                 + sum(d.HasField("dim_value") for d in t.shape.dim))
     return facts(b) > facts(a)
-
-
-def _collect_value_info(graph: onnx.GraphProto, found: dict) -> None:
-    for vi in itertools.chain(graph.value_info, graph.output):
-        if vi.type.HasField("tensor_type"):
-            found.setdefault(vi.name, vi.type)
-    for node in graph.node:
-        for sub in subgraphs_of(node):
-            _collect_value_info(sub, found)
-
-
-def _complete_after_contrib_ops(model: onnx.ModelProto, found: dict) -> None:
-    """ONNX inference knows no com.microsoft op, so the outputs of the FusedMatMuls the
-    fusions make, and everything computed from them, come back untyped; optimizing the
-    result again would then see less than the run that made it (and a rule guarded by a
-    rank would decide differently). Types FusedMatMul outputs as the MatMul of its inputs
-    after its flags' permutations, and the standard-domain nodes downstream by per-node
-    inference, in graph order (main graph only)."""
-    graph = model.graph
-    opset = next((o.version for o in model.opset_import if normalize_domain(o.domain) == ""),
-                 None)
-    if opset is None:
-        return
-    known = dict(found)
-    for tensor in graph.input:
-        known.setdefault(tensor.name, tensor.type)
-    for tensor in graph.initializer:
-        known.setdefault(tensor.name, onnx.helper.make_tensor_type_proto(
-            tensor.data_type, list(tensor.dims)))
-    initializers = {t.name: t for t in graph.initializer}
-    for node in graph.node:
-        missing = [o for o in node.output if o and not _has_shape(known.get(o))]
-        if not missing or not all(i in known for i in node.input if i):
-            continue
-        domain = normalize_domain(node.domain)
-        if domain == MS_DOMAIN and node.op_type == "FusedMatMul":
-            inferred = _fused_matmul_type(node, known)
-        elif domain == STANDARD_DOMAIN and not has_subgraphs(node, domain):
-            try:
-                schema = onnx.defs.get_schema(node.op_type, opset, STANDARD_DOMAIN)
-                inferred = onnx.shape_inference.infer_node_outputs(
-                    schema, node, {i: known[i] for i in node.input if i},
-                    {i: initializers[i] for i in node.input if i in initializers})
-            except (onnx.defs.SchemaError, onnx.shape_inference.InferenceError, RuntimeError):
-                continue
-        else:
-            continue
-        for name, type_proto in inferred.items():
-            if name in missing and _has_shape(type_proto):
-                known[name] = found[name] = type_proto
-
-
-def _has_shape(type_proto: onnx.TypeProto | None) -> bool:
-    """A tensor type with a rank (an output's hidden declaration leaves only its type)."""
-    return type_proto is not None and type_proto.tensor_type.HasField("shape")
-
-
-def _fused_matmul_type(node: onnx.NodeProto, known: dict) -> dict:
-    """{output: type} of a FusedMatMul: transBatch moves dim 0 to just before the last
-    dim, then trans swaps the last two; the product broadcasts as MatMul's does."""
-    dims = []
-    for index, side in ((0, "A"), (1, "B")):
-        shape = type_dims(known[node.input[index]])
-        if shape is None:
-            return {}
-        trans, batch = get_attr(node, f"trans{side}", 0), get_attr(node, f"transBatch{side}", 0)
-        if (trans or batch) and len(shape) < 2:
-            return {}  # what onnxruntime does with flags on a vector is not specified
-        if batch and len(shape) >= 3:
-            shape = [*shape[1:-1], shape[0], shape[-1]]
-        if trans:
-            shape = [*shape[:-2], shape[-1], shape[-2]]
-        dims.append(shape)
-    elem = known[node.input[0]].tensor_type.elem_type
-    matmul = onnx.helper.make_node("MatMul", ["a", "b"], ["y"])
-    try:
-        inferred = onnx.shape_inference.infer_node_outputs(
-            onnx.defs.get_schema("MatMul", 13), matmul,
-            {"a": onnx.helper.make_tensor_type_proto(elem, dims[0]),
-             "b": onnx.helper.make_tensor_type_proto(elem, dims[1])})
-    except (onnx.shape_inference.InferenceError, RuntimeError):
-        return {}
-    return {node.output[0]: inferred["y"]} if "y" in inferred else {}
 
 
 _TEMPLATES: dict = {}
@@ -1132,10 +1020,7 @@ class Model:
         proto = self.flush()
         hidden = _hide_declarations(proto.graph)
         try:
-            with contrib_stand_ins(proto):
-                inferred = bounded_infer_shapes(proto)
-            _collect_value_info(inferred.graph, self._found)
-            _complete_after_contrib_ops(inferred, self._found)
+            self._found = infer_types(proto)
         except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError):
             pass
         finally:

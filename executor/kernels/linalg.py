@@ -6,6 +6,8 @@ import math
 
 import numpy as np
 
+from graphopt.tensor_types import fused_matmul_permutation
+
 from .. import gemm
 from ..registry import MS_DOMAIN, kernel
 from ._util import broadcast_shape, compute_dtype
@@ -32,15 +34,12 @@ def gemm_op(ctx, node, a, b, c=None):
 
 
 def fused_matmul_operand(x, trans_batch: int, trans: int):
-    """DESIGN 3.3: transBatch moves dim 0 just before the last dim, then trans swaps the
-    last two; both are ignored for rank-1 operands."""
+    """The operand as FusedMatMul multiplies it (DESIGN 3.3; the axes from graphopt's type
+    service, the one statement of the flags); flags on a rank-1 operand are ignored."""
     if x.ndim < 2:
         return x
-    if trans_batch and x.ndim > 2:
-        x = x.transpose(list(range(1, x.ndim - 1)) + [0, x.ndim - 1])
-    if trans:
-        x = x.swapaxes(-1, -2)
-    return x
+    axes = fused_matmul_permutation(x.ndim, bool(trans_batch), bool(trans))
+    return x if axes == list(range(x.ndim)) else x.transpose(axes)
 
 
 @kernel("FusedMatMul", domain=MS_DOMAIN, gemm=True)

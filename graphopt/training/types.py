@@ -12,9 +12,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ..inference import infer_shapes as bounded_infer_shapes
-from ..ir import contrib_stand_ins, type_dims
-from ..vocabulary import FLOAT_TYPES, STANDARD_DOMAIN, normalize_domain
+from ..tensor_types import infer_types
+from ..vocabulary import FLOAT_TYPES, STANDARD_DOMAIN, normalize_domain, type_dims
 
 Dim = int | str | None
 
@@ -31,18 +30,19 @@ class TypeTable:
     @classmethod
     def infer(cls, model: onnx.ModelProto) -> TypeTable:
         table = cls()
+        graph = model.graph
         try:
             # data_prop turns shapes computed by Shape/Concat/Gather chains into static ones
-            with contrib_stand_ins(model):  # a fused Gelu's output typed, and after it
-                inferred = bounded_infer_shapes(model)
+            found = infer_types(model)
         except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError):
-            inferred = model  # fall back on what the model declares; dynamic paths cover the rest
+            found = {}  # fall back on what the model declares; dynamic paths cover the rest
+        declared = {vi.name: vi.type for vi in itertools.chain(graph.input, graph.output,
+                                                               graph.value_info)}
         # types from the inference; values (initializers, Constants) from the model itself:
         # inference ran on a view without the weights' bytes
-        types, graph = inferred.graph, model.graph
-        for vi in itertools.chain(types.input, types.output, types.value_info):
-            if vi.type.HasField("tensor_type"):
-                table.set(vi.name, vi.type.tensor_type.elem_type or None, type_dims(vi.type))
+        for name, type_proto in itertools.chain(declared.items(), found.items()):
+            if type_proto.HasField("tensor_type"):
+                table.set(name, type_proto.tensor_type.elem_type or None, type_dims(type_proto))
         for init in graph.initializer:
             table.set(init.name, init.data_type, list(init.dims))
             table._constants[init.name] = init

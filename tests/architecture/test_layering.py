@@ -19,8 +19,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 FOLDERS = {"graphopt": "graphopt", "graphopt.rules": "rules", "graphopt.executor": "executor",
            "graphopt.trainer": "trainer"}
 
-# graphopt.inference: bounded ONNX shape inference, the one way every layer runs it
-BASE = ("graphopt.vocabulary", "graphopt.errors", "graphopt.layout", "graphopt.inference")
+# graphopt.inference: bounded ONNX shape inference, the one way every layer runs it;
+# graphopt.tensor_types: the type-and-shape service on it (engine, training builder, executor)
+BASE = ("graphopt.vocabulary", "graphopt.errors", "graphopt.layout", "graphopt.inference",
+        "graphopt.tensor_types")
 CORE = {"core", "dsl", "ir"}  # graphopt's own modules: the DSL, the IR and the rest
 # layer -> the layers it may import (third-party and stdlib are free)
 MAY_IMPORT = {

@@ -6,7 +6,7 @@ from __future__ import annotations
 from conftest import model_from_text
 
 from graphopt import modelio
-from graphopt.ir import contrib_stand_ins
+from graphopt.tensor_types import contrib_stand_ins
 from graphopt.training.types import TypeTable
 
 
