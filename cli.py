@@ -195,6 +195,9 @@ def main():
 @click.option("--explain", multiple=True, metavar="NAME",
               help="Show why this rule did not match where it almost did.")
 @click.option("--in-place", is_flag=True, help="Allow overwriting the input model.")
+@click.option("--reference-data", is_flag=True,
+              help="Do not copy the input's external data: the output (in the input's folder) "
+                   "points at its data files, which must then stay.")
 @click.option("--profile", "profile", is_flag=True,
               help="Also time and peak memory of each phase: load, each rule, type inference, "
                    "validation, save.")
@@ -203,7 +206,7 @@ def main():
 @click.option("-q", "--quiet", is_flag=True, help="Only errors.")
 @user_errors
 def optimize(model, output, level, only, enable, disable, provider, input_shapes, check_runs,
-             dry_run, report_file, explain, in_place, profile, verbose, quiet):
+             dry_run, report_file, explain, in_place, reference_data, profile, verbose, quiet):
     """Rewrite MODEL with the built-in (and plugin) rules."""
     if verbose and quiet:
         raise GraphoptError("-v/--verbose and -q/--quiet contradict each other")
@@ -228,6 +231,7 @@ def optimize(model, output, level, only, enable, disable, provider, input_shapes
                                only=list(only), enable=list(enable), disable=list(disable),
                                provider=provider, explain=list(explain), input_shapes=shapes,
                                before_save=check if check_runs else None, profile=phases,
+                               reference_data=reference_data,
                                also_writes={"--report": None if to_stdout else report_file})
     if verbose:
         say("rules run: " + ", ".join(report.rules))

@@ -254,12 +254,15 @@ def optimize_file(source: str, out: str | None, *, in_place: bool = False, dry_r
         modelio.check_output_path(path, source, what=option)
     modelio.refuse_same_outputs({**({} if dry_run else {"-o": target}), **also_writes})
     profile = options.pop("profile", None)
+    reference_data = options.pop("reference_data", False)
     phase = profile.phase if profile is not None else _no_phase
     with phase("load"):
         model = modelio.load(source)
     # now that its external data files are known (and open), none of them may be an output
     for option, path in [*([] if dry_run else [("output", target)]), *also_writes.items()]:
         modelio.refuse_input_files(path, model, in_place, what=option)
+    if reference_data and not dry_run:
+        modelio.check_reference_data(model, target)
     input_shapes = options.pop("input_shapes", None)
     before_save = options.pop("before_save", None)
     if input_shapes:   # the graph is indexed again with the new input types
@@ -280,7 +283,7 @@ def optimize_file(source: str, out: str | None, *, in_place: bool = False, dry_r
     if not dry_run:
         try:
             with phase("save"):
-                report.written = modelio.save(model, target)
+                report.written = modelio.save(model, target, reference_data=reference_data)
         except OSError as exc:
             raise GraphoptError(f"{target}: cannot write: {exc.strerror or exc}") from None
     report.model = os.fspath(source)

@@ -642,7 +642,7 @@ def refuse_same_outputs(outputs: dict[str, str | None]) -> None:
 
 
 def save(model: Model, out: str, *, protect: ProtectedFiles | None = None,
-         what: str = "output") -> list[str]:
+         what: str = "output", reference_data: bool = False) -> list[str]:
     """Write atomically: temporary files in the output folder, fsync, then rename; returns
     the files published (the model, then its data file if it has one).
 
@@ -656,7 +656,12 @@ def save(model: Model, out: str, *, protect: ProtectedFiles | None = None,
 
     New files get the permissions the umask gives (like any other tool's); replacing an
     existing file keeps that file's permissions (``--in-place`` keeps the model's mode).
-    ``protect``: files the output must not replace, checked again just before publishing."""
+    ``protect``: files the output must not replace, checked again just before publishing.
+
+    ``reference_data``: external tensors are not copied; the output points at the input's
+    data files where they are (it must be written to the input's folder, and those files must
+    then stay). Nothing of them is read: a 4.5 GB model is saved in the time its graph takes.
+    Weights held inline in the input model are written inline as always."""
     refuse_input_files(out, model, in_place=True)  # its own data files: never (API callers too)
     refuse_special_file(out, what)
 
@@ -676,6 +681,9 @@ def save(model: Model, out: str, *, protect: ProtectedFiles | None = None,
     files = external_files(model) if external else None
     inline = _writes_inline(proto, files)
     to_data_file = [t for t in external if not inline(t)]
+    if reference_data and to_data_file:
+        check_reference_data(model, out)
+        to_data_file = []  # each keeps its location, offset and length: the input's file
     staged: list[str] = []  # what to delete if the save fails
     try:
         if not to_data_file:
@@ -711,6 +719,19 @@ def save(model: Model, out: str, *, protect: ProtectedFiles | None = None,
             with contextlib.suppress(OSError):
                 os.unlink(tmp_path)
         raise
+
+
+def check_reference_data(model: Model, out: str) -> None:
+    """Locations are relative to the model's folder: an output can point at the input's data
+    files (``reference_data``) only from the input's folder."""
+    if model.external is None or not model.external.stats():
+        return  # no external data file to point at
+    base = model.external.base
+    folder = os.path.dirname(os.path.abspath(out))
+    if os.path.realpath(folder) != base:
+        raise GraphoptError(f"--reference-data: the output must be written to the input's "
+                            f"folder ({base}), where its data files are; it is "
+                            f"{os.path.realpath(folder)}")
 
 
 def _writes_inline(proto: onnx.ModelProto, files: ExternalFiles | None):

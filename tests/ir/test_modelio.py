@@ -286,3 +286,27 @@ def test_the_data_file_is_named_by_its_unchanged_sources_and_copied_by_the_kerne
     assert third[1] != first[1] and os.path.exists(first[1])  # the earlier file is kept
     np.testing.assert_allclose(run_ort(out, FEEDS)[0], expected_y(seed=1), rtol=1e-5,
                                atol=1e-5)
+
+
+def test_reference_data_points_the_output_at_the_input_data_file(tmp_path):
+    """Nothing copied: the output's external tensors keep the input's file, offsets and
+    lengths; only from the input's folder (locations are relative), refused elsewhere before
+    anything is optimized."""
+    from support.cli_runs import invoke, one_error_line
+
+    src = save_external(weights_model(), tmp_path / "src")
+    out = tmp_path / "src" / "opt.onnx"
+    result = invoke("optimize", src, "-o", out, "--reference-data")
+    assert result.exit_code == 0, result.output
+    assert sorted(os.listdir(tmp_path / "src")) == ["model.onnx", "opt.onnx", "w.bin"]
+    proto = onnx.load(str(out), load_external_data=False)
+    locations = {e.value for t in proto.graph.initializer for e in t.external_data
+                 if e.key == "location"}
+    assert locations == {"w.bin"}
+    np.testing.assert_allclose(run_ort(str(out), FEEDS)[0], expected_y(), rtol=1e-5,
+                               atol=1e-5)
+    (tmp_path / "elsewhere").mkdir()
+    line = one_error_line(invoke("optimize", src, "-o", tmp_path / "elsewhere" / "o.onnx",
+                                 "--reference-data"), "--reference-data")
+    assert "the output must be written to the input's folder" in line
+    assert os.listdir(tmp_path / "elsewhere") == []
