@@ -199,8 +199,8 @@ def main():
               help="Do not copy the input's external data: the output (in the input's folder) "
                    "points at its data files, which must then stay.")
 @click.option("--profile", "profile", is_flag=True,
-              help="Also time and peak memory of each phase: load, each rule, type inference, "
-                   "validation, save.")
+              help="Also time, peak memory and bytes read of each phase: load, each rule, type "
+                   "inference, validation, save.")
 @click.option("-v", "--verbose", is_flag=True,
               help="Also the rules selected and every op type's count before and after.")
 @click.option("-q", "--quiet", is_flag=True, help="Only errors.")

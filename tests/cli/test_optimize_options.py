@@ -266,8 +266,9 @@ def test_profile_lists_each_phase_with_its_time_and_peak(tmp_path):
     rows = {line[:50].strip(): line[50:].split() for line in table[2:] if line.strip()
             and not line.startswith("wrote")}
     for phase in ("load", "rewrites", "validation", "save"):
-        ms, peak = rows[phase]
+        ms, peak, read = rows[phase]
         assert float(ms.replace(",", "")) >= 0 and float(peak.replace(",", "")) > 10
-    assert rows["gather_slice_to_split"][1] == "-"   # a rule: its time, within rewrites
+        assert read == "-" or float(read.replace(",", "")) >= 0
+    assert rows["gather_slice_to_split"][1:] == ["-", "-"]   # a rule: its time, in rewrites
     assert "whole-model type inference (within the rewrites)" in rows
     assert out.exists()
