@@ -74,6 +74,8 @@ class Session:
     ready object with ``.matmul(a, b, op=...)``, ``.backward_pass()`` and ``.current_node``.
     ``fp16_policy`` overrides the environment variables (an ``Fp16Policy``);
     ``denormal_stats`` counts FP16 denormals per node (``session.numerics.denormal_report()``).
+    ``external_values(tensor)``: the value of an initializer stored as external data (a
+    weight a loaded model references in its file: graphopt.modelio.ExternalFiles.array).
     ``training`` is the Dropout mode for Dropout nodes that do not carry a
     ``training_mode`` input; ``seed`` seeds Dropout masks.
 
@@ -90,6 +92,7 @@ class Session:
         seed: int | None = None,
         fp16_policy: Any = None,
         denormal_stats: bool = False,
+        external_values: Callable[[onnx.TensorProto], np.ndarray] | None = None,
     ):
         self.model = _load(model)
         self.backend = select_backend(device)
@@ -131,7 +134,10 @@ class Session:
 
         self._initializers = {}
         for init in graph.initializer:
-            host = numpy_helper.to_array(init)
+            if external_values is not None and init.data_location == onnx.TensorProto.EXTERNAL:
+                host = external_values(init)   # read from where the reference points
+            else:
+                host = numpy_helper.to_array(init)
             self._initializers[init.name] = device = self.backend.to_device(host)
             if host.dtype.kind in "iu" and host.size <= SMALL_INTS:
                 self._ctx.remember_constant(device, host)   # axes, shapes: read on the host

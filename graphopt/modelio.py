@@ -14,6 +14,7 @@ import os
 import re
 import socket
 import stat
+import sys
 import tempfile
 import time
 import weakref
@@ -339,6 +340,20 @@ class ExternalFiles:
         return _pread_exactly(fd, length, offset, self.model_path)
 
     def array(self, tensor: onnx.TensorProto) -> np.ndarray:
+        """The tensor's value, a new writable array. Plain numeric types are read straight
+        into the array's memory (one copy, from the file); others go through onnx."""
+        dtype = _PLAIN_DTYPES.get(tensor.data_type)
+        if dtype is not None and sys.byteorder == "little":
+            fd, offset, length = self.check(tensor)
+            buffer = bytearray(length)
+            view, done = memoryview(buffer), 0
+            while done < length:
+                count = os.preadv(fd, [view[done:]], offset + done)
+                if count == 0:
+                    raise GraphoptError(f"{self.model_path}: the file ended early (changed "
+                                        "while it was read?)")
+                done += count
+            return np.frombuffer(buffer, dtype).reshape([int(d) for d in tensor.dims])
         inline = onnx.TensorProto()
         inline.CopyFrom(tensor)
         inline.raw_data = self.read(tensor)
@@ -417,6 +432,13 @@ def _kernel_copy(src: int, offset: int, length: int, dst) -> bool:
 _NO_KERNEL_COPY = {getattr(errno, name) for name in ("ENOSYS", "EXDEV", "EINVAL", "EOPNOTSUPP",
                                                       "ENOTSUP", "EBADF", "EPERM")
                    if hasattr(errno, name)}
+
+
+# ONNX element types whose raw bytes are the little-endian numpy array as it is
+_PLAIN_DTYPES = {getattr(onnx.TensorProto, name): np.dtype(dtype) for name, dtype in (
+    ("FLOAT", "<f4"), ("FLOAT16", "<f2"), ("DOUBLE", "<f8"), ("INT8", "i1"), ("UINT8", "u1"),
+    ("INT16", "<i2"), ("UINT16", "<u2"), ("INT32", "<i4"), ("UINT32", "<u4"),
+    ("INT64", "<i8"), ("UINT64", "<u8"), ("BOOL", "?"))}
 
 
 def _close_all(opened: dict) -> None:

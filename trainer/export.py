@@ -14,11 +14,15 @@ from graphopt.ir import Model
 
 
 def save_model(proto: onnx.ModelProto, path: str, *,
-               protect: modelio.ProtectedFiles | None = None, what: str = "output"
-               ) -> list[str]:
-    """Atomic write (temporary file, fsync, rename); returns the files written."""
+               protect: modelio.ProtectedFiles | None = None, what: str = "output",
+               external: modelio.ExternalFiles | None = None) -> list[str]:
+    """Atomic write (temporary file, fsync, rename); returns the files written. ``external``:
+    the open files holding the bytes of ``proto``'s external tensors (the input model's), from
+    which the save copies them (inline where the input held them inline)."""
+    model = Model(proto)
+    model.external = external
     try:
-        return modelio.save(Model(proto), path, protect=protect, what=what)
+        return modelio.save(model, path, protect=protect, what=what)
     except OSError as exc:
         raise GraphoptError(f"{path}: cannot write: {exc.strerror or exc}") from None
 

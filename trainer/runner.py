@@ -96,6 +96,7 @@ class RunOutcome:
     forward: onnx.ModelProto
     written: list[str] = field(default_factory=list)
     plot_title: str = ""
+    external: modelio.ExternalFiles | None = None  # where forward's weights' bytes are
 
 
 DEFAULTS = {"batch_size": 32, "optimizer": "adamw", "lr": 1e-3}
@@ -116,10 +117,11 @@ def _resolve_source(opts: RunOptions):
     if opts.data is None:
         raise GraphoptError("--data FILE.npz is required to train a model file")
     model = modelio.load(opts.model)  # the same checks as optimize: one-line errors, no escapes
-    # training needs the weights themselves: read from the files the load checked, once
-    # they are known to fit in memory
+    # training needs the weights themselves, read from the files the load checked (external
+    # data, or the model file whose inline weights it references) once they are known to fit
+    # in memory: each where it is used (its starting value, the session's constants), never
+    # into the graph protos the preparation copies and rewrites
     _refuse_weights_beyond_memory(model)
-    modelio.load_external_data(model)
     return model.proto, load_npz(opts.data), {}, model
 
 
@@ -305,6 +307,7 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
     writer = dist is None or dist.writer
     say = (lambda _text: None) if opts.quiet else echo
     forward, arrays, defaults, source = _resolve_source(opts)
+    external = source.external if source is not None else None
     protect = _check_outputs(opts, source)
     if opts.checkpoint and writer:
         held.append(ckpt.FolderLock.acquire(opts.checkpoint))
@@ -327,13 +330,13 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
                   level=opts.level, precision=precision, disable=opts.disable,
                   label_shapes=array_shapes(arrays),
                   ignore_index=-100 if opts.ignore_index is None else opts.ignore_index,
-                  class_axis=opts.class_axis)
+                  class_axis=opts.class_axis, external=external)
     for title, report in graph.reports:
         say(f"== {title}")
         say(report.format_table())
     if opts.save_graph and writer:
         for path in save_model(graph.proto, opts.save_graph, protect=protect,
-                               what="--save-graph"):
+                               what="--save-graph", external=external):
             protect.add(path, "training graph written by --save-graph")
         say(f"wrote the training graph to {opts.save_graph}")
 
@@ -342,7 +345,8 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
     try:
         session = Session(graph.proto, device=opts.device, numerics=opts.numerics,
                           training=True, seed=opts.seed,
-                          denormal_stats=opts.denormal_report is not None)
+                          denormal_stats=opts.denormal_report is not None,
+                          external_values=external.array if external is not None else None)
     except ExecutorError as exc:
         raise GraphoptError(one_line(exc)) from None
     if session.numerics is not None and hasattr(session.numerics, "describe"):
@@ -415,7 +419,7 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
         finally:
             if log is not None:
                 log.close()
-        outcome = RunOutcome(graph, result, session, forward)
+        outcome = RunOutcome(graph, result, session, forward, external=external)
         numerics = getattr(session.numerics, "mode", "native")
         outcome.plot_title = (f"graphopt run {opts.example or os.path.basename(opts.model or '')}\n"
                               f"precision {precision}, numerics {numerics}, loss scale "
@@ -601,7 +605,7 @@ def _finish(opts: RunOptions, outcome: RunOutcome, say, echo,
         # (the plot, the reports) loses nothing that cost training. The forward model as
         # given (no YieldOp, no gradients), with the trained weights
         written = save_model(with_weights(outcome.forward, result.params), opts.output,
-                             protect=protect)
+                             protect=protect, external=outcome.external)
         for path in written:
             protect.add(path, "trained model written by -o")
         outcome.written.append(opts.output)

@@ -37,24 +37,34 @@ class RunGraph(TrainingGraph):
 def build(forward: onnx.ModelProto, *, loss: str | None = None, labels: str | None = None,
           freeze=(), train=(), level: int = 2, precision: str = "fp32",
           disable: tuple[str, ...] = (), label_shapes: dict | None = None,
-          ignore_index: int | None = None, class_axis: int | None = None) -> RunGraph:
+          ignore_index: int | None = None, class_axis: int | None = None,
+          external=None) -> RunGraph:
     """The optimized training graph of ``forward`` for a run in ``precision`` (see
-    :func:`graphopt.training.prepare_training` for the other arguments)."""
+    :func:`graphopt.training.prepare_training` for the other arguments; ``external``: the open
+    files holding ``forward``'s external tensors, :class:`graphopt.modelio.ExternalFiles`)."""
     graph, reports = prepare_training(forward, loss=loss, labels=labels, freeze=freeze,
                                       train=train, level=level, float16=precision != "fp32",
                                       disable=disable, label_shapes=label_shapes,
-                                      ignore_index=ignore_index, class_axis=class_axis)
+                                      ignore_index=ignore_index, class_axis=class_axis,
+                                      external=external)
     originals = {t.name: t for t in forward.graph.initializer}
     current = {t.name: t for t in graph.proto.graph.initializer}
-    initial = {name: numpy_helper.to_array(originals.get(name, current[name])).astype(np.float32)
-               for name in graph.params}
+    initial = {name: tensor_value(originals.get(name, current[name]), external)
+               .astype(np.float32) for name in graph.params}
     contract = {f.name: getattr(graph, f.name) for f in dataclasses.fields(TrainingGraph)}
     return RunGraph(**contract, initial=initial, reports=reports,
-                    fingerprint=fingerprint(forward, graph.params, loss, labels))
+                    fingerprint=fingerprint(forward, graph.params, loss, labels, external))
+
+
+def tensor_value(tensor: onnx.TensorProto, external=None) -> np.ndarray:
+    """A tensor's value: from the open file its reference points into, or from the proto."""
+    if tensor.data_location == onnx.TensorProto.EXTERNAL and external is not None:
+        return external.array(tensor)
+    return numpy_helper.to_array(tensor)
 
 
 def fingerprint(forward: onnx.ModelProto, trained, loss: str | None,
-                labels: str | None) -> str:
+                labels: str | None, external=None) -> str:
     """SHA-256 of what the training graph computes: the forward model's nodes, inputs,
     outputs, functions and opsets, every initializer's name, type and shape, the values of
     those that are not trained (constants, frozen weights), which weights are trained, and
@@ -78,7 +88,7 @@ def fingerprint(forward: onnx.ModelProto, trained, loss: str | None,
     for tensor in sorted(graph.initializer, key=lambda t: t.name):
         add(tensor.name, tensor.data_type, list(tensor.dims))
         if tensor.name not in trained:
-            add(np.ascontiguousarray(numpy_helper.to_array(tensor)).tobytes())
+            add(np.ascontiguousarray(tensor_value(tensor, external)).tobytes())
     add(sorted(trained), loss, labels)
     return digest.hexdigest()
 

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import onnx
 
-from ..api import optimize
+from ..api import optimize as optimize_model
 from ..dsl import BEFORE_DIFFERENTIATION
 from ..errors import GraphoptError
+from ..ir import Model, external_tensors
 from ..registry import all_rules
 from ..report import Report
 from .builder import build_training_graph, list_weights_as_inputs
@@ -37,7 +38,7 @@ def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
                      labels: str | None = None, freeze=(), train=(), level: int = 2,
                      float16: bool = False, disable: tuple[str, ...] = (),
                      label_shapes: dict | None = None, ignore_index: int | None = None,
-                     class_axis: int | None = None
+                     class_axis: int | None = None, external=None
                      ) -> tuple[TrainingGraph, list[tuple[str, Report]]]:
     """(the optimized training graph, the rewrite report of each stage with its title).
 
@@ -46,7 +47,18 @@ def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
     (:func:`trained_params`); ``float16``: train a float16 copy (mixed or fp16 precision);
     ``label_shapes``: the data's array shapes by name, to find the logits' class axis for
     cross_entropy; ``ignore_index``: the label value cross_entropy ignores; ``class_axis``:
-    the logits' class axis, when the labels' shape leaves a choice (seq == vocab)."""
+    the logits' class axis, when the labels' shape leaves a choice (seq == vocab).
+    ``external``: the open files (:class:`graphopt.modelio.ExternalFiles`) holding the bytes
+    of ``forward``'s external tensors (weights a loaded model references where they lie):
+    they stay references in the training graph, read where a rule needs a value; a float16
+    copy reads them all."""
+    def optimize(proto, **options):
+        model = Model(proto)   # proto is this function's own copy: no second one
+        model.external = external
+        return optimize_model(model, **options)
+
+    if float16 and external is not None and external_tensors(forward):
+        forward = with_values(forward, external)
     reports: list[tuple[str, Report]] = []
     if class_axis is not None and loss != "cross_entropy":
         raise GraphoptError("class_axis (--class-axis) applies only to loss='cross_entropy'")
@@ -57,9 +69,11 @@ def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
             raise GraphoptError("the model is already a training graph (it has a YieldOp); "
                                 "--loss, --labels, --freeze and --train do not apply")
         staged = to_float16(forward, keep_outputs_fp32=False) if float16 else forward
+        if staged is forward:
+            staged = onnx.ModelProto()
+            staged.CopyFrom(forward)
         # optimized first, as any model: the engine names a misplaced YieldOp its own way
-        optimized, report = optimize(staged, level=level, disable=list(disable),
-                                     check_input=False)
+        optimized, report = optimize(staged, level=level, disable=list(disable))
         reports.append((f"training graph, level {level}", report))
         graph = TrainingGraph.from_model(optimized)
         return _check_trains(graph), reports
@@ -68,8 +82,7 @@ def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
     staged.CopyFrom(forward)
     list_weights_as_inputs(staged.graph, params)
     early = differentiable_fusions(level, disable)
-    staged, report = optimize(staged, level=1, enable=early, disable=list(disable),
-                              check_input=False)
+    staged, report = optimize(staged, level=1, enable=early, disable=list(disable))
     title = "forward graph, level 1" + (f" and {', '.join(early)}" if early else "")
     reports.append((f"{title} (before differentiation)", report))
     if float16:
@@ -80,10 +93,20 @@ def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
                                                class_axis), ignore_index=ignore_index)
     graph = build_training_graph(staged, labels_name=labels, train=params,
                                  trainable=params, **arguments)
-    optimized, report = optimize(graph.proto, level=level, disable=list(disable),
-                                 check_input=False)
+    optimized, report = optimize(graph.proto, level=level, disable=list(disable))
     reports.append((f"training graph, level {level}", report))
     return _check_trains(graph.with_proto(optimized)), reports
+
+
+def with_values(model: onnx.ModelProto, external) -> onnx.ModelProto:
+    """A copy of ``model`` holding its external tensors' bytes, read from ``external``."""
+    proto = onnx.ModelProto()
+    proto.CopyFrom(model)
+    for tensor in external_tensors(proto):
+        tensor.raw_data = external.read(tensor)
+        tensor.ClearField("data_location")
+        del tensor.external_data[:]
+    return proto
 
 
 def differentiable_fusions(level: int, disable=()) -> list[str]:

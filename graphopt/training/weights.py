@@ -14,7 +14,7 @@ def with_weights(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> onnx.
     proto.CopyFrom(model)
     for index, tensor in enumerate(proto.graph.initializer):
         if tensor.name in values:
-            dtype = numpy_helper.to_array(tensor).dtype
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
             replacement = numpy_helper.from_array(values[tensor.name].astype(dtype), tensor.name)
             proto.graph.initializer[index].CopyFrom(replacement)
     return proto
