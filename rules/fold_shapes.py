@@ -29,10 +29,17 @@ from graphopt.dsl import Pass
 from graphopt.inference import infer_shapes as bounded_infer_shapes
 from graphopt.ir import STANDARD_DOMAIN, subgraphs_of, type_dims
 
+from ._dims import DimOrigins
 
-def _dims(graph, tensor: str) -> list[int | None] | None:
+
+def _dims(graph, tensor: str, origins: DimOrigins) -> list[int | None] | None:
+    """The tensor's dims: known by inference, or by following them to their origin (a size
+    inference lost behind a contrib op, such as the 64 of a Reshape after a FusedMatMul)."""
     shape = graph.static_shape(tensor)
-    return None if shape is None else list(shape)
+    if shape is None:
+        return None
+    return [d if d is not None or not isinstance(origins.dim(tensor, i), int)
+            else origins.dim(tensor, i) for i, d in enumerate(shape)]
 
 
 def _shape_range(graph, node_id: int, rank: int) -> list[int]:
@@ -41,10 +48,10 @@ def _shape_range(graph, node_id: int, rank: int) -> list[int]:
     return list(range(rank))[start:end]  # step 1: Python clamps as ONNX does
 
 
-def _shape_of(graph, node_id: int):
+def _shape_of(graph, node_id: int, origins: DimOrigins):
     """(tensor whose shape this Shape node reads, positions of the dims it returns)."""
     source = graph.inputs_of(node_id)[0]
-    dims = _dims(graph, source)
+    dims = _dims(graph, source, origins)
     if dims is None:
         return None, None, None
     return source, dims, _shape_range(graph, node_id, len(dims))
@@ -85,14 +92,14 @@ def _picked_positions(graph, node, positions: list[int]) -> np.ndarray | None:
     return np.asarray(picked)
 
 
-def _value(graph, node_id: int):
+def _value(graph, node_id: int, origins: DimOrigins):
     """The constant a Shape/Size (or a Gather/Slice of a Shape) computes, or None."""
     op_type = graph.op_key(node_id)[1]
     if op_type == "Shape":
-        _, dims, positions = _shape_of(graph, node_id)
+        _, dims, positions = _shape_of(graph, node_id, origins)
         return None if dims is None else _static(dims, positions)
     if op_type == "Size":
-        dims = _dims(graph, graph.inputs_of(node_id)[0])
+        dims = _dims(graph, graph.inputs_of(node_id)[0], origins)
         if dims is None or any(d is None for d in dims):
             return None
         count = math.prod(int(d) for d in dims)   # exact: np.prod wraps around in int64
@@ -102,7 +109,7 @@ def _value(graph, node_id: int):
     source = graph.producer_of(graph.inputs_of(node_id)[0])
     if source is None or graph.op_key(source) != (STANDARD_DOMAIN, "Shape"):
         return None
-    _, dims, positions = _shape_of(graph, source)
+    _, dims, positions = _shape_of(graph, source, origins)
     if dims is None:
         return None
     picked = _picked_positions(graph, graph.node(node_id), list(range(len(positions))))
@@ -174,6 +181,7 @@ def fold(graph, report) -> int:
         return 0  # nothing to fold, nothing folded before: the first inference holds
     _refine_if_folded(graph)
     candidates = [i for op_type in FOLDED for i in graph.nodes_of_type(op_type)]
+    origins = DimOrigins(graph)
     folded = 0
     for node_id in sorted(candidates, key=graph.order_of):
         if not graph.has_node(node_id):
@@ -182,7 +190,7 @@ def fold(graph, report) -> int:
         if len(outputs) != 1 or graph.is_output(outputs[0]) \
                 or any(True for _ in subgraphs_of(graph.node(node_id))):
             continue
-        value = _value(graph, node_id)
+        value = _value(graph, node_id, origins)
         if value is None:
             continue
         inputs = graph.inputs_of(node_id)

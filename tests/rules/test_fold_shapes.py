@@ -16,6 +16,7 @@ from conftest import (
 from onnx import numpy_helper
 
 import graphopt
+from graphopt.ir import Model
 
 PASS = "fold_shapes"
 
@@ -228,3 +229,35 @@ def test_size_beyond_int64_stays():
     assert sorted(op_types(out)) == ["Identity", "Identity", "Size"]
     assert initializer(out, "fits").tolist() == 3037000499 ** 2
     assert report.rules[PASS].rewrites == 1
+
+
+
+def test_a_size_inference_lost_behind_a_contrib_op_is_found_at_its_origin():
+    # ONNX inference knows no FusedMatMul: the Reshape of its product to a computed target
+    # gets no dims from it. The target's last entry is the constant 4, so Shape(r)[2] is 4
+    # (GPT-2's attention output view once the scale is fused).
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17, "com.microsoft" : 1]>
+        g (float[B,S,8] a, float[8,8] w) => (float[B,N,4] y)
+          <int64 i0 = {0}, int64 i2 = {2}, int64[1] ax = {0}, int64[2] tail = {-1, 4}> {
+          p = com.microsoft.FusedMatMul <alpha = 0.5> (a, w)
+          sp = Shape(p)
+          b = Gather(sp, i0)
+          ub = Unsqueeze(b, ax)
+          target = Concat <axis = 0> (ub, tail)
+          r = Reshape(p, target)
+          sr = Shape(r)
+          d = Gather(sr, i2)
+          df = Cast <to = 1> (d)
+          y = Mul(r, df)
+        }""")
+    assert Model(model).graph.static_shape("r")[2] is None  # not from inference
+    out, report = graphopt.optimize(model, [PASS])
+    assert initializer(out, "d").tolist() == 4
+    assert "Gather" in op_types(out)  # the batch size stays a computed value
+    assert report.rules[PASS].rewrites == 1
+    rng = np.random.default_rng(0)
+    for b, s in ((1, 1), (2, 3)):
+        feeds = {"a": rng.standard_normal((b, s, 8)).astype(np.float32),
+                 "w": rng.standard_normal((8, 8)).astype(np.float32)}
+        assert_same_outputs(model, out, feeds, atol=0, rtol=0)
