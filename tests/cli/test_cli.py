@@ -225,7 +225,8 @@ def test_success_prints_the_table_and_fired_line(tmp_path):
             line.split()[0] in all_rules()}
     assert set(rows) == set(all_rules())
     assert rows["gather_slice_to_split"][1:4] == ["1", "1", "1"]
-    assert ("fired: fold_constants, gather_slice_to_split, matmul_scale_to_fused_matmul, "
+    assert ("fired: constant_to_initializer, eliminate_common_subexpressions, fold_constants, "
+            "gather_slice_to_split, matmul_scale_to_fused_matmul, "
             "matmul_transpose_to_fused_matmul") in lines
     assert lines[-1] == f"wrote {out}"
     assert result.stderr == ""

@@ -247,16 +247,31 @@ def _assert_scaled_and_marked(out):
     assert attrs["alpha"] == 0.5 and attrs["transB"] == 1 and attrs[ATTR] == 1
 
 
+# The scaled product repeats bw_dx's MatMul(g_h, W1t) on purpose (the scale fusion then has a
+# backward MatMul of its own to absorb); eliminate_common_subexpressions would merge the two
+# and leave the Mul reading the graph output g_x, so these tests run without it.
+NO_CSE = ["eliminate_common_subexpressions"]
+
+
 def test_backward_scale_fusion_is_sticky():
-    out, _ = graphopt.optimize(_scaled_backward_matmul(False), level=2)
+    out, _ = graphopt.optimize(_scaled_backward_matmul(False), level=2, disable=NO_CSE)
     _assert_scaled_and_marked(out)
+
+
+def test_the_repeated_backward_product_is_computed_once():
+    out, _ = graphopt.optimize(_scaled_backward_matmul(False), level=2)
+    products = [n for n in out.graph.node if list(n.input) == ["g_h", "W1"]]
+    assert len(products) == 1 and products[0].output[0] == "g_x"  # the graph output stays
+    (scale,) = [n for n in out.graph.node if n.output[0] == "g_x2s"]
+    assert list(scale.input) == ["g_x", "half"]
+    assert {a.name: helper.get_attribute_value(a) for a in scale.attribute}.get(ATTR) == 1
 
 
 # Was xfail: mark_backward_pass put __backwardpass=1 on Constant nodes, which then stopped
 # being constants (Graph.constant_value wants exactly one attribute) and which ONNX shape
 # inference misread. mark_backward_pass now leaves Constant nodes alone (tests/robustness).
 def test_backward_scale_fusion_with_a_constant_node_scale():
-    out, _ = graphopt.optimize(_scaled_backward_matmul(True), level=2)
+    out, _ = graphopt.optimize(_scaled_backward_matmul(True), level=2, disable=NO_CSE)
     _assert_scaled_and_marked(out)
 
 
