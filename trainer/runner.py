@@ -197,6 +197,19 @@ def _check_outputs(opts: RunOptions, source) -> modelio.ProtectedFiles:
     return protect
 
 
+def _refuse_bad_counts(opts: RunOptions) -> None:
+    """Counts wrong whatever the model (the same checks as :func:`_total_steps` and the
+    clip check make later): refused before a large model costs its preparation."""
+    if opts.steps is not None and opts.epochs is not None:
+        raise GraphoptError("give --steps or --epochs, not both")
+    if opts.steps is not None and opts.steps < 1:
+        raise GraphoptError(f"--steps must be >= 1, not {opts.steps}")
+    if opts.epochs is not None and opts.epochs < 1:
+        raise GraphoptError(f"--epochs must be >= 1, not {opts.epochs}")
+    if opts.clip_grad_norm is not None and not opts.clip_grad_norm > 0:
+        raise GraphoptError(f"--clip-grad-norm must be positive, not {opts.clip_grad_norm}")
+
+
 def _total_steps(opts: RunOptions, defaults: dict, batches: Batches) -> int:
     steps = opts.steps if opts.steps is not None else None
     epochs = opts.epochs
@@ -306,6 +319,7 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
                 dist: distributed.Distributed | None, held: list) -> RunOutcome:
     writer = dist is None or dist.writer
     say = (lambda _text: None) if opts.quiet else echo
+    _refuse_bad_counts(opts)   # before the model is read and its training graph prepared
     forward, arrays, defaults, source = _resolve_source(opts)
     external = source.external if source is not None else None
     protect = _check_outputs(opts, source)

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from support.cli_runs import invoke, one_error_line
+from support.cli_runs import assert_one_error_line, cli, invoke, one_error_line
 from support.mpi import MPIEXEC, needs_mpi
 from support.training_runs import MLP, mlp_data, write_npz
 
@@ -342,3 +342,17 @@ def test_non_utf8_names_through_the_python_api_are_one_error():
     model.ParseFromString(_non_utf8_model("input"))
     with pytest.raises(GraphoptError, match="not valid UTF-8"):
         graphopt.optimize(model)
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("--steps", 0, "--steps must be >= 1, not 0"), ("--epochs", -1, "--epochs must be >= 1"),
+    ("--clip-grad-norm", 0, "--clip-grad-norm must be positive")])
+def test_bad_counts_are_refused_before_the_model_is_read(tmp_path, option, value, message):
+    """A wrong count is wrong whatever the model: said before a large model costs its
+    preparation (the model here is not even an ONNX file: it is never opened)."""
+    model = tmp_path / "not-a-model.onnx"
+    model.write_bytes(b"")
+    data = tmp_path / "d.npz"
+    np.savez(data, x=np.zeros((4, 2), np.float32))
+    code, _, stderr = cli("run", model, "--data", data, option, value, "--device", "cpu")
+    assert_one_error_line(code, stderr, message)
