@@ -741,11 +741,9 @@ def _versions(graphopt_python: str) -> tuple[str, str]:
          f"import sys; sys.path.insert(0, {str(HERE.parent)!r}); import graphopt; "
          "from _common import blas_kernel; print(graphopt.__version__); print(blas_kernel())"],
         cwd=tempfile.gettempdir(), env=bench_env(), capture_output=True, text=True)
-    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True).stdout.strip()
     lines = ours.stdout.strip().splitlines() or ["?", f"unknown ({ours.stderr.strip()[-200:]})"]
     peers = ", ".join(f"{n} {version(n)}" for n in names)
-    return f"graphopt {lines[0]} (tree {head}); {peers}", lines[-1]
+    return f"graphopt {lines[0]}; {peers}", lines[-1]
 
 
 def report(args, cases: list[Case], results: dict, prep: dict | None,
