@@ -10,7 +10,7 @@ import threading
 import onnx
 
 from .errors import RewriteRejected
-from .inference import weight_free_view
+from .inference import weight_free_view, weight_free_view_differs
 from .ir import STANDARD_DOMAIN, Graph, Model, external_tensors
 
 
@@ -114,8 +114,17 @@ def check_structure(proto: onnx.ModelProto, base_dir: str = "") -> None:
     checks (inline sizes, external data extents and files) once. External data the view
     still holds (in local functions, sparse initializers, Constant nodes, subgraphs) is
     checked by ONNX in the model's folder, ``base_dir``."""
+    _check_view(_checkable(proto), base_dir)
+
+
+def _checkable(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """The model the checker is given: without its large weights' bytes when it has any (a
+    model without them is checked as it is: a view would be a copy of every node for
+    nothing)."""
+    if not any(weight_free_view_differs(t) for t in proto.graph.initializer):
+        return proto
     view, _ = weight_free_view(proto, for_checker=True)
-    _check_view(view, base_dir)
+    return view
 
 
 def _check_view(view: onnx.ModelProto, base_dir: str) -> None:
@@ -131,6 +140,6 @@ def _check_view(view: onnx.ModelProto, base_dir: str) -> None:
 def validate(model: Model) -> None:
     """Whole-model check: the ONNX checker and strict shape inference, on the model without
     its large weights' bytes (:func:`check_structure`)."""
-    view, _ = weight_free_view(model.flush(), for_checker=True)
+    view = _checkable(model.flush())
     _check_view(view, model.base_dir)
     onnx.shape_inference.infer_shapes(view, strict_mode=True)

@@ -81,6 +81,12 @@ def _keeps_values(tensor: onnx.TensorProto) -> bool:
     return _numel(tensor.dims) <= KEEP_VALUES and tensor.ByteSize() <= _KEEP_BYTES
 
 
+def weight_free_view_differs(tensor: onnx.TensorProto) -> bool:
+    """Whether the checker's view (``weight_free_view(for_checker=True)``) shows this
+    initializer otherwise than the model does: a large or external one."""
+    return tensor.data_location == onnx.TensorProto.EXTERNAL or not _keeps_values(tensor)
+
+
 def _without_values(tensor: onnx.TensorProto) -> onnx.TensorProto:
     bare = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type)
     bare.dims.extend(tensor.dims)

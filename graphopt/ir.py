@@ -109,9 +109,17 @@ def _graph_tensors(graph: onnx.GraphProto):
     yield from _node_tensors(graph.node)
 
 
+_A_KINDS_WITH_TENSORS = frozenset({
+    onnx.AttributeProto.TENSOR, onnx.AttributeProto.TENSORS, onnx.AttributeProto.SPARSE_TENSOR,
+    onnx.AttributeProto.SPARSE_TENSORS, onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS,
+    onnx.AttributeProto.UNDEFINED})  # (an attribute without its type: looked at in full)
+
+
 def _node_tensors(nodes):
     for node in nodes:
         for attr in node.attribute:
+            if attr.type not in _A_KINDS_WITH_TENSORS:
+                continue  # ints, floats, strings: most attributes, skipped on their kind
             if attr.HasField("t"):
                 yield attr.t
             yield from attr.tensors

@@ -132,15 +132,17 @@ def _graph_without_weights(buf, start: int, end: int, location: str, min_bytes: 
                            ) -> tuple[bytes, int]:
     pieces, referenced = [], 0
     known = {f.number for f in onnx.TensorProto.DESCRIPTOR.fields}
+    kept_from = start  # the fields since the last reference are copied in one slice
     for number, wire, field_start, payload, stop in _fields(buf, start, end):
-        reference = None
-        if number == _GRAPH_INITIALIZER and wire == _LEN:
-            reference = _tensor_reference(buf, payload, stop, location, min_bytes, known)
-        if reference is None:
-            pieces.append(buf[field_start:stop])
-        else:
-            pieces += [_length_delimited(number, len(reference)), reference]
+        if number != _GRAPH_INITIALIZER or wire != _LEN or stop - payload < min_bytes:
+            continue  # nodes, inputs, small tensors: kept as they are
+        reference = _tensor_reference(buf, payload, stop, location, min_bytes, known)
+        if reference is not None:
+            pieces += [buf[kept_from:field_start], _length_delimited(number, len(reference)),
+                       reference]
+            kept_from = stop
             referenced += 1
+    pieces.append(buf[kept_from:end])
     return b"".join(pieces), referenced
 
 
