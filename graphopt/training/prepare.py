@@ -23,6 +23,7 @@ from ..api import optimize as optimize_model
 from ..dsl import BEFORE_DIFFERENTIATION
 from ..errors import GraphoptError
 from ..ir import Model, external_tensors
+from ..modelio import load_external_data
 from ..registry import all_rules
 from ..report import Report
 from .builder import build_training_graph, list_weights_as_inputs
@@ -102,10 +103,9 @@ def with_values(model: onnx.ModelProto, external) -> onnx.ModelProto:
     """A copy of ``model`` holding its external tensors' bytes, read from ``external``."""
     proto = onnx.ModelProto()
     proto.CopyFrom(model)
-    for tensor in external_tensors(proto):
-        tensor.raw_data = external.read(tensor)
-        tensor.ClearField("data_location")
-        del tensor.external_data[:]
+    loaded = Model(proto)
+    loaded.external = external
+    load_external_data(loaded)
     return proto
 
 
