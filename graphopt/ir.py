@@ -19,12 +19,13 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-# TYPE_OF_INPUT, contrib_stand_ins and type_dims are the IR's to rules as well: re-exported
+# TYPE_OF_INPUT, contrib_stand_ins, MS_DOMAIN and type_dims: the IR's to rules too (re-exported)
 from .tensor_types import TYPE_OF_INPUT as TYPE_OF_INPUT
 from .tensor_types import contrib_stand_ins as contrib_stand_ins
 from .tensor_types import infer_types
+from .vocabulary import MS_DOMAIN as MS_DOMAIN
 from .vocabulary import (
-    MS_DOMAIN,
+    OPS_WITH_SUBGRAPHS,
     STANDARD_DOMAIN,
     STANDARD_DOMAIN_ALIAS,
     normalize_domain,
@@ -54,12 +55,6 @@ def get_attr(node: onnx.NodeProto, name: str, default=None):
 _GRAPH_ATTRIBUTE_TYPES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 
 
-# Ops of the standard and com.microsoft domains that carry subgraphs; no other op of those
-# domains does, which spares a scan of every node's attributes.
-_OPS_WITH_SUBGRAPHS = {"": frozenset({"If", "Loop", "Scan", "SequenceMap"}),
-                       STANDARD_DOMAIN_ALIAS: frozenset({"If", "Loop", "Scan", "SequenceMap"}),
-                       MS_DOMAIN: frozenset({"BeamSearch", "GreedySearch", "Sampling",
-                                             "WhisperBeamSearch"})}
 
 
 def has_subgraphs(node: onnx.NodeProto, domain: str | None = None,
@@ -68,7 +63,7 @@ def has_subgraphs(node: onnx.NodeProto, domain: str | None = None,
     fields make a new str at each read)."""
     if domain is None:
         domain, op_type = node.domain, node.op_type
-    known = _OPS_WITH_SUBGRAPHS.get(domain)
+    known = OPS_WITH_SUBGRAPHS.get(domain)
     if known is not None:
         return op_type in known
     if type(node) is PendingNode:
@@ -658,7 +653,7 @@ class Graph:
                     consumers[name] = {node_id: None}
                 else:
                     users[node_id] = None
-        known = _OPS_WITH_SUBGRAPHS.get(domain)  # inlined has_subgraphs: this runs per node
+        known = OPS_WITH_SUBGRAPHS.get(domain)  # inlined has_subgraphs: this runs per node
         if (op_type in known) if known is not None else has_subgraphs(node):
             self._index_subgraphs(node_id, node)
         return node_id

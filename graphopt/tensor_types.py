@@ -22,14 +22,19 @@ from collections.abc import Mapping, Sequence
 import onnx
 
 from .inference import infer_shapes, weight_free_view
-from .vocabulary import MS_DOMAIN, STANDARD_DOMAIN, normalize_domain, subgraphs_of, type_dims
+from .vocabulary import (
+    MS_DOMAIN,
+    OPS_WITH_SUBGRAPHS,
+    STANDARD_DOMAIN,
+    normalize_domain,
+    subgraphs_of,
+    type_dims,
+)
 
 # com.microsoft ops whose one output has the type and shape of one of their inputs (its index)
 # (BiasGelu's bias is a vector along its input's last axis, as ONNX Runtime requires)
 TYPE_OF_INPUT = {"Gelu": 0, "GeluGrad": 1, "FastGelu": 0, "FastGeluGrad": 1, "BiasGelu": 0,
                  "BiasGeluGrad_dX": 1}
-
-_SUBGRAPH_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
 
 
 def infer_types(model: onnx.ModelProto,
@@ -173,7 +178,7 @@ def complete_after_contrib_ops(model: onnx.ModelProto, found: dict) -> None:
         domain = normalize_domain(node.domain)
         if domain == MS_DOMAIN and node.op_type == "FusedMatMul":
             inferred = _fused_matmul_type(node, known)
-        elif domain == STANDARD_DOMAIN and node.op_type not in _SUBGRAPH_OPS:
+        elif domain == STANDARD_DOMAIN and node.op_type not in OPS_WITH_SUBGRAPHS[""]:
             try:
                 schema = onnx.defs.get_schema(node.op_type, opset, STANDARD_DOMAIN)
                 inferred = onnx.shape_inference.infer_node_outputs(

@@ -19,6 +19,13 @@ STANDARD_DOMAIN = ""
 STANDARD_DOMAIN_ALIAS = "ai.onnx"  # the standard domain's other spelling in a model
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (FusedMatMul, YieldOp, *Grad)
 
+# Ops of the standard and com.microsoft domains that carry subgraphs; no other op of those
+# domains does, which spares a scan of every node's attributes.
+OPS_WITH_SUBGRAPHS = {"": frozenset({"If", "Loop", "Scan", "SequenceMap"}),
+                       STANDARD_DOMAIN_ALIAS: frozenset({"If", "Loop", "Scan", "SequenceMap"}),
+                       MS_DOMAIN: frozenset({"BeamSearch", "GreedySearch", "Sampling",
+                                             "WhisperBeamSearch"})}
+
 
 def normalize_domain(domain: str) -> str:
     return STANDARD_DOMAIN if domain in (STANDARD_DOMAIN, STANDARD_DOMAIN_ALIAS) else domain
