@@ -97,6 +97,20 @@ def _find_mallopt():
     return mallopt
 
 
+def give_back_freed() -> None:
+    """Return the freed memory keep_freed kept to the system (glibc's default trim threshold,
+    then malloc_trim): once no run follows, what was kept for the next one is only RSS."""
+    malloc = _malloc
+    if not malloc.mallopt or not malloc.kept:
+        return
+    malloc.mallopt(_M_TRIM_THRESHOLD, 128 << 10)
+    malloc.kept = 0
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def keep_freed(peak_bytes: int | None) -> bool:
     """Keep up to ``peak_bytes`` (None: MIN_KEEP) of freed host memory in this process for
     the next run. True when glibc's settings are (now) in place."""
@@ -177,6 +191,10 @@ class SpareBlocks:
             return
         self._spares.setdefault((owner.size, owner.dtype), []).append((owner, True))
         self._bytes += owner.nbytes
+
+    def clear(self) -> None:
+        """Drop every spare."""
+        self._spares, self._bytes = {}, 0
 
     def end_run(self, keep_bytes: int | None) -> None:
         """Keep what this run released, up to ``keep_bytes`` (None: MIN_KEEP); drop the rest

@@ -369,9 +369,15 @@ class MemoryGuard:
             return
         sizes = self._sizes({})
         feeds = {n: sizes.get(n) or 0 for n in self.session.input_names}
+        feeds.update(self.fed_bytes())
         peak, _ = planned_peak(plan, sizes, self.resident, feeds)
         if peak > self.available:
             raise MemoryLimitError(peak, self.available, self.device, where)
+
+    def fed_bytes(self) -> dict[str, int]:
+        """Bytes of each initializer the caller feeds on every run (Session's ``fed``)."""
+        return {name: int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
+                for name, (dtype, dims) in self.session._fed_types.items()}
 
     def check_run(self, plan, feeds: Mapping[str, object]) -> int | None:
         """At run() start: bind dims from the feeds and refuse before any node runs.

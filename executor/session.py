@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -16,7 +16,7 @@ from graphopt.vocabulary import is_yield_op, type_dims
 from .backend import select_backend
 from .context import KernelContext
 from .errors import ExecutorError, FeedError, KernelError, UnsupportedOpsError
-from .host_memory import keep_freed, unshared_owner
+from .host_memory import give_back_freed, keep_freed, unshared_owner
 from .kernels._compiled import preload as preload_compiled_kernels
 from .memory import MemoryGuard
 from .plan import Plan, PlannedNode, build_plan, decode_attributes, topological_order
@@ -76,8 +76,10 @@ class Session:
     ``denormal_stats`` counts FP16 denormals per node (``session.numerics.denormal_report()``).
     ``external_values(tensor)``: the value of an initializer stored as external data (a
     weight a loaded model references in its file: graphopt.modelio.ExternalFiles.array).
-    ``training`` is the Dropout mode for Dropout nodes that do not carry a
-    ``training_mode`` input; ``seed`` seeds Dropout masks.
+    ``fed``: initializers the caller feeds on every run (a trainer's weights, which it keeps
+    and updates itself): they are never read from the model nor held here, and a run that
+    needs one and does not feed it is refused. ``training`` is the Dropout mode for Dropout
+    nodes that do not carry a ``training_mode`` input; ``seed`` seeds Dropout masks.
 
     Unsupported op types are reported here, all at once, before anything runs.
     """
@@ -93,6 +95,7 @@ class Session:
         fp16_policy: Any = None,
         denormal_stats: bool = False,
         external_values: Callable[[onnx.TensorProto], np.ndarray] | None = None,
+        fed: Collection[str] = (),
     ):
         self.model = _load(model)
         self.backend = select_backend(device)
@@ -133,7 +136,15 @@ class Session:
             raise UnsupportedOpsError(missing)
 
         self._initializers = {}
+        fed = set(fed)
+        # (dtype, shape) of the initializers fed on every run: what their feeds must match
+        self._fed_types: dict[str, tuple[np.dtype, list[int]]] = {}
         for init in graph.initializer:
+            if init.name in fed:
+                self._fed_types[init.name] = (
+                    np.dtype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type)),
+                    [int(d) for d in init.dims])
+                continue
             if external_values is not None and init.data_location == onnx.TensorProto.EXTERNAL:
                 host = external_values(init)   # read from where the reference points
             else:
@@ -141,10 +152,15 @@ class Session:
             self._initializers[init.name] = device = self.backend.to_device(host)
             if host.dtype.kind in "iu" and host.size <= SMALL_INTS:
                 self._ctx.remember_constant(device, host)   # axes, shapes: read on the host
+        unknown_fed = sorted(fed - set(self._fed_types))
+        if unknown_fed:
+            raise ExecutorError(f"fed initializer(s) {unknown_fed} are not in the model")
         self._input_types = {
-            vi.name: value_type(vi) for vi in graph.input if vi.name not in self._initializers
+            vi.name: value_type(vi) for vi in graph.input
+            if vi.name not in self._initializers and vi.name not in self._fed_types
         }
         self._overridable = {vi.name for vi in graph.input if vi.name in self._initializers}
+        self._overridable |= set(self._fed_types)
         self.input_names = list(self._input_types)
         self.output_names = [vi.name for vi in graph.output]
         self.yield_output_names = [
@@ -154,7 +170,7 @@ class Session:
         self._known_types = {vi.name: value_type(vi) for vi in graph.value_info}
         self._known_types.update({vi.name: value_type(vi) for vi in graph.output})
         self._available = list(self._input_types) + [
-            n for n in self._initializers if n not in self._input_types
+            n for n in (*self._initializers, *self._fed_types) if n not in self._input_types
         ]
         self._ordered = topological_order(nodes, self._available)
         if self.backend.xp is np:  # the compiled kernels' one-off load belongs to set-up
@@ -165,6 +181,21 @@ class Session:
         self._ctx.memory = self._memory if self._memory.available is not None else None
         # plan the graph outputs now: model errors (and plans that cannot fit) surface here
         self._memory.check_plan(self.plan())
+
+    def release_memory(self) -> None:
+        """Give back the memory kept for the next run (spare arrays, freed host memory):
+        for when no run follows soon (a training run's last step is done)."""
+        spares = self._ctx.spares
+        if spares is not None:
+            spares.clear()
+        if self.backend.xp is np:
+            give_back_freed()
+
+    def constant_buffers(self) -> set[int]:
+        """The ids of the arrays holding the session's initializers' memory: an output that
+        views one of them is the session's (an Identity of a constant), not the caller's to
+        change in place."""
+        return set(self._memory._resident_owners)
 
     def reseed(self, seed: int) -> None:
         """Restart the random streams (Dropout masks) from ``seed``: a training loop reseeds
@@ -202,7 +233,7 @@ class Session:
                 + (f" and YieldOp gradients {self.yield_output_names}"
                    if self.yield_output_names else "")
             )
-        needed_inputs = [n for n in self._input_types
+        needed_inputs = [n for n in (*self._input_types, *self._fed_types)
                          if plan.last_use.get(n, -1) >= 0 or n in plan.fetches]
         missing = [n for n in needed_inputs if n not in feeds]
         if missing:
@@ -215,7 +246,9 @@ class Session:
                      else np.asarray(value))
             expected_dtype, dims = (self._input_types.get(name) or self._known_types.get(name)
                                     or (None, None))
-            if name in self._overridable:
+            if name in self._fed_types:
+                expected_dtype, dims = self._fed_types[name]
+            elif name in self._overridable:
                 reference = self._initializers[name]
                 expected_dtype, dims = reference.dtype, list(reference.shape)
             if expected_dtype is not None and array.dtype != expected_dtype:

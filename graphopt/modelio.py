@@ -772,13 +772,20 @@ def _own_length(files: ExternalFiles, tensor: onnx.TensorProto) -> int | None:
     return files.check(tensor)[2] if files.is_own(tensor) else None
 
 
+# initializer bytes from which a model is written tensor by tensor (_write_model_temp)
+STREAM_BYTES = 64 << 20
+
+
 def _write_model_temp(proto, files, inline, folder, stem, mode, staged) -> str:
     """The model in a new temporary file, with the weights ``inline`` says are inline
     streamed into it from the input model file."""
-    if files is None or not any(inline(t) for t in proto.graph.initializer):
+    streamed = files is not None and any(inline(t) for t in proto.graph.initializer)
+    if not streamed and sum(t.ByteSize() for t in proto.graph.initializer) < STREAM_BYTES:
         return _write_temp(folder, stem, proto.SerializeToString(), mode, staged)
+    # initializer by initializer: protobuf's whole-model encoding holds the model's bytes
+    # twice at once (its own string and Python's copy); a trained model's weights are in it
     pieces, _ = weight_refs.encoded_pieces(
-        proto, lambda t: files.check(t)[2] if inline(t) else None)
+        proto, lambda t: files.check(t)[2] if streamed and inline(t) else None)
     tmp = _temp_in(folder, stem, mode)
     staged.append(tmp)
     with open(tmp, "wb") as f:

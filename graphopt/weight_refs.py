@@ -188,7 +188,9 @@ def _split_at(message, number: int) -> tuple[bytes, bytes]:
     return below.SerializeToString(), above.SerializeToString()
 
 
-Piece = bytes | tuple[onnx.TensorProto, int]  # bytes, or a referenced tensor's raw bytes
+# bytes; a referenced tensor's raw bytes (tensor, length); or a tensor encoded as it is
+# written (one tensor's encoding in memory at a time, not the whole model's)
+Piece = bytes | tuple[onnx.TensorProto, int] | onnx.TensorProto
 
 
 def _tensor_pieces(tensor: onnx.TensorProto, length: int) -> tuple[list[Piece], int]:
@@ -213,26 +215,36 @@ def encoded_pieces(proto: onnx.ModelProto,
     for tensor in graph.initializer:
         length = referenced(tensor)
         if length is None:
-            encoded = tensor.SerializeToString()
-            parts, size = [encoded], len(encoded)
+            parts, size = [tensor], tensor.ByteSize()
         else:
             parts, size = _tensor_pieces(tensor, length)
         key = _length_delimited(_GRAPH_INITIALIZER, size)
         inits += [key, *parts]
         graph_size += len(key) + size
-    bare_graph = onnx.GraphProto()
-    bare_graph.CopyFrom(graph)
-    bare_graph.ClearField("initializer")
+    bare_graph = _copy_without(graph, "initializer")
     graph_below, graph_above = _split_at(bare_graph, _GRAPH_INITIALIZER)
     graph_size += len(graph_below) + len(graph_above)
-    bare_model = onnx.ModelProto()
-    bare_model.CopyFrom(proto)
-    bare_model.ClearField("graph")
+    bare_model = _copy_without(proto, "graph")
     model_below, model_above = _split_at(bare_model, _MODEL_GRAPH)
     graph_key = _length_delimited(_MODEL_GRAPH, graph_size)
     pieces = [model_below, graph_key, graph_below, *inits, graph_above, model_above]
-    total = sum(len(p) if isinstance(p, bytes) else p[1] for p in pieces)
+    total = sum(piece_length(p) for p in pieces)
     return pieces, total
+
+
+def _copy_without(message, skipped: str):
+    """A copy of ``message`` without its field ``skipped``, made without copying that field
+    (CopyFrom then ClearField would copy every weight once)."""
+    return type(message)(**{field.name: value for field, value in message.ListFields()
+                            if field.name != skipped})
+
+
+def piece_length(piece: Piece) -> int:
+    if isinstance(piece, bytes):
+        return len(piece)
+    if isinstance(piece, onnx.TensorProto):
+        return piece.ByteSize()
+    return piece[1]
 
 
 def write_with_weights(pieces: list[Piece], dst, copy: Callable[[onnx.TensorProto, object], int]
@@ -242,6 +254,8 @@ def write_with_weights(pieces: list[Piece], dst, copy: Callable[[onnx.TensorProt
     for piece in pieces:
         if isinstance(piece, bytes):
             dst.write(piece)
+        elif isinstance(piece, onnx.TensorProto):
+            dst.write(piece.SerializeToString())
         else:
             tensor, length = piece
             if copy(tensor, dst) != length:

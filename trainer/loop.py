@@ -170,6 +170,27 @@ def locate_nonfinite(session, feeds: dict, weights=()) -> str | None:
     return None
 
 
+def memory_owner(array):
+    """The array whose memory ``array`` views (itself when it owns it)."""
+    while getattr(array, "base", None) is not None and hasattr(array.base, "nbytes"):
+        array = array.base
+    return array
+
+
+def own_gradient(value, taken: set[int]):
+    """A gradient as a float32 array the step may scale in place (loss scale, clipping): the
+    run's output itself when it is one (no copy of every gradient), else a copy: another
+    dtype, a read-only view (a broadcast zero), or memory in ``taken`` (the ids of buffers
+    that are not the step's to change: the feeds, the session's constants, the gradients
+    taken so far)."""
+    grad = value.astype(np.float32, copy=False)
+    writable = getattr(getattr(grad, "flags", None), "writeable", True)
+    if grad is value and (not writable or id(memory_owner(grad)) in taken):
+        grad = grad.copy()
+    taken.add(id(memory_owner(grad)))
+    return grad
+
+
 def _reseed(session, value: int) -> None:
     """Dropout masks of step N depend on (seed, N) only: a resumed run draws the same."""
     session.reseed(value)
@@ -193,7 +214,9 @@ class Trainer:
         # trainer all-reduces through the host and keeps them there).
         backend = getattr(session, "backend", None)
         self._on_device = self.weights_on_device and bool(getattr(backend, "is_gpu", False))
-        self.params = self._placed({n: v.astype(master_dtype(settings.precision))
+        # the starting values themselves where the master dtype is theirs (float32): the
+        # optimizer updates them in place
+        self.params = self._placed({n: v.astype(master_dtype(settings.precision), copy=False)
                                     for n, v in graph.initial.items()})
         self.history: list[dict] = []
         self.step = 0
@@ -207,6 +230,7 @@ class Trainer:
         self.eval_batches: list[dict] = []        # --eval-data, cut into batches
         # the emulated FP16 alternate converts each weight once per step, not once per GEMM
         self.weight_generation = WeightGeneration()
+        self._not_ours: set[int] = set()   # see _run_graph
         numerics = getattr(session, "numerics", None)
         if hasattr(numerics, "cache_weights"):
             numerics.cache_weights(self.weight_generation)
@@ -244,8 +268,13 @@ class Trainer:
         self._check_fits(directory, state)
         self.optimizer.load_state(state.optimizer, state.optimizer_arrays)
         self.scaler.load_state(state.scaler)
-        self.params = self._placed({n: v.astype(master_dtype(self.settings.precision))
-                                    for n, v in state.params.items()})
+        dtype = master_dtype(self.settings.precision)
+        for name, value in state.params.items():
+            mine = self.params[name]
+            if isinstance(mine, np.ndarray) and mine.flags.writeable:
+                mine[...] = value   # into the weights' own memory: no second copy of them
+            else:
+                self.params[name] = self._placed({name: value.astype(dtype)})[name]
         self.step = state.step
         self.history = list(state.history)
         self.nonfinite = {}
@@ -433,6 +462,9 @@ class Trainer:
     # -- hooks a distributed trainer overrides (see .distributed) ---------------------------
     def _run_graph(self, feeds: dict) -> dict:
         self._next_weight_generation(feeds)
+        # memory a gradient output may view but the step must not scale in place
+        self._not_ours = {id(memory_owner(v)) for v in feeds.values()}
+        self._not_ours |= self.session.constant_buffers()
         return self.session.run(feeds, self.fetches, to_host=not self._on_device)
 
     def _next_weight_generation(self, feeds: dict) -> None:
@@ -445,8 +477,9 @@ class Trainer:
         grads = {}
         finite = True
         checks = []
+        taken = set(self._not_ours)
         for param in self.graph.params:
-            grad = out[self.graph.grads[param]].astype(np.float32)
+            grad = own_gradient(out[self.graph.grads[param]], taken)
             if scale != 1.0:
                 grad /= np.float32(scale)
             if self._on_device:
@@ -496,7 +529,8 @@ class Trainer:
             self.save_checkpoint(settings.checkpoint_dir)
         elif interrupted and settings.interrupt_dir:
             self._save_interrupted(settings.interrupt_dir)
-        return TrainResult({n: to_host(v).astype(np.float32) for n, v in self.params.items()},
+        return TrainResult({n: to_host(v).astype(np.float32, copy=False)
+                            for n, v in self.params.items()},
                            self.history, self.step, self.scaler.skipped, interrupted,
                            self._last_checkpoint, dict(self.nonfinite),
                            stop.signum if interrupted else None)

@@ -19,6 +19,22 @@ import numpy as np
 
 from graphopt.errors import GraphoptError
 
+# elements of a float32 host weight updated at a time (Optimizer._update_in_chunks): 256 KiB,
+# within a core's L2 cache
+UPDATE_CHUNK = 1 << 16
+# AdamW updates float32 host weights of at most this many elements in all as one flat array
+# (AdamW._flat_step): ~15 NumPy calls in all instead of ~15 per weight, which matters for
+# many small weights; a larger model's update is dominated by its arithmetic, and the flat
+# copies would cost two more copies of every weight and gradient
+FLAT_STEP_LIMIT = 1 << 22
+
+
+def updatable_in_place(param) -> bool:
+    """Whether a weight is updated in place, chunk by chunk: a writable contiguous float32
+    host array (a float16 master or a GPU weight is updated as a whole float32 array)."""
+    return (type(param) is np.ndarray and param.dtype == np.float32
+            and param.flags.c_contiguous and param.flags.writeable)
+
 
 class Optimizer:
     name = ""   # what --optimizer calls it (see OPTIMIZERS)
@@ -47,6 +63,9 @@ class Optimizer:
             # in one line, so numpy's own warnings would only be noise before it
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
                 for name, param in params.items():
+                    if updatable_in_place(param):
+                        self._update_in_chunks(name, param, grads[name])
+                        continue
                     # the arithmetic runs in float32 whatever the master dtype ("fp16"
                     # precision keeps float16 masters: the rounding is part of that experiment)
                     value = param.astype(np.float32)
@@ -55,7 +74,31 @@ class Optimizer:
         finally:
             self.lr = base
 
+    def _update_in_chunks(self, name: str, param: np.ndarray, grad: np.ndarray) -> None:
+        """The update of a float32 host weight in place, UPDATE_CHUNK elements at a time: the
+        same elementwise float32 operations as one whole-array update (so the same bits), with
+        temporaries of a chunk's size instead of the weight's (a 1.1B Falcon's 65024 x 2048
+        embedding would make several 532 MB ones per update) that stay in the CPU's cache."""
+        fresh = name not in self.slots
+        slots = {slot: self._slot(name, slot, param).reshape(-1) for slot in self.slot_names}
+        weights = param.reshape(-1)
+        gradient = np.ascontiguousarray(grad, dtype=np.float32).reshape(-1)
+        for start in range(0, weights.size, UPDATE_CHUNK):
+            part = slice(start, start + UPDATE_CHUNK)
+            self._apply(weights[part], gradient[part],
+                        {slot: array[part] for slot, array in slots.items()}, fresh)
+
     def _update(self, name: str, param: np.ndarray, grad: np.ndarray) -> None:
+        """The update of a whole float32 array (a copy of a float16 master, a GPU weight)."""
+        fresh = name not in self.slots
+        self._apply(param, grad, {slot: self._slot(name, slot, param)
+                                  for slot in self.slot_names}, fresh)
+
+    def _apply(self, param: np.ndarray, grad: np.ndarray, slots: dict[str, np.ndarray],
+               fresh: bool) -> None:
+        """The update's arithmetic, elementwise, in place on ``param`` and ``slots`` (this
+        weight's state arrays, or the same parts of them as ``param`` is of its weight);
+        ``fresh``: the weight's first update."""
         raise NotImplementedError
 
     def _slot(self, param_name: str, slot: str, like: np.ndarray) -> np.ndarray:
@@ -67,6 +110,11 @@ class Optimizer:
         elif array_module(slots[slot]) is not xp:  # loaded from a checkpoint (host arrays)
             slots[slot] = xp.asarray(slots[slot])
         return slots[slot]
+
+    def release(self) -> None:
+        """Drop the state after the last update (its checkpoint, if any, was written): the
+        memory goes back before the trained weights are written out."""
+        self.slots = {}
 
     # -- checkpoint -------------------------------------------------------------------------
     def state(self) -> tuple[dict, dict[str, np.ndarray]]:
@@ -112,7 +160,7 @@ class SGD(Optimizer):
     """torch.optim.SGD without momentum: p -= lr * (g + wd * p) (L2 decay, coupled)."""
     name = "sgd"
 
-    def _update(self, name, param, grad):
+    def _apply(self, param, grad, slots, fresh):
         if self.weight_decay:
             grad = grad + self.weight_decay * param
         param -= self.lr * grad
@@ -130,11 +178,10 @@ class Momentum(Optimizer):
     def _hyper(self):
         return {"momentum": self.momentum}
 
-    def _update(self, name, param, grad):
+    def _apply(self, param, grad, slots, fresh):
         if self.weight_decay:
             grad = grad + self.weight_decay * param
-        fresh = name not in self.slots
-        buf = self._slot(name, "momentum", param)
+        buf = slots["momentum"]
         if fresh:
             buf[...] = grad
         else:
@@ -159,10 +206,15 @@ class AdamW(Optimizer):
     def _hyper(self):
         return {"beta1": self.beta1, "beta2": self.beta2, "eps": self.eps}
 
+    def release(self) -> None:
+        super().release()
+        self._flat = None
+
     def step(self, params, grads, lr_factor: float = 1.0) -> None:
         device = [name for name, param in params.items() if array_module(param) is not np]
         if not device:
-            if all(param.dtype == np.float32 for param in params.values()):
+            if (all(param.dtype == np.float32 for param in params.values())
+                    and sum(param.size for param in params.values()) <= FLAT_STEP_LIMIT):
                 return self._flat_step(params, grads, lr_factor)
             return super().step(params, grads, lr_factor)
         self.steps += 1
@@ -170,10 +222,14 @@ class AdamW(Optimizer):
         self.lr = base * lr_factor   # a schedule's factor, for this update only
         try:
             host = {name: param for name, param in params.items() if name not in device}
-            for name, param in host.items():
-                value = param.astype(np.float32)
-                self._update(name, value, grads[name].astype(np.float32, copy=False))
-                param[...] = value
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                for name, param in host.items():
+                    if updatable_in_place(param):
+                        self._update_in_chunks(name, param, grads[name])
+                        continue
+                    value = param.astype(np.float32)
+                    self._update(name, value, grads[name].astype(np.float32, copy=False))
+                    param[...] = value
             for name in device:
                 self._fused_update(name, params[name], grads[name])
         finally:
@@ -200,7 +256,7 @@ class AdamW(Optimizer):
         """The host step of float32 weights as one update of all of them: the weights,
         gradients and both slots laid end to end, the same float32 operations in the same
         order (so the same bits: every one is elementwise) in about 15 NumPy calls instead of
-        15 per weight (issue 15: ~0.5 ms of a 16 ms step for the example's 16 weights). The
+        15 per weight (~0.5 ms of a 16 ms step for the MQA example's 16 weights). The
         slots stay one array per weight for checkpoints: views of the flat ones."""
         self.steps += 1
         base = self.lr
@@ -244,9 +300,8 @@ class AdamW(Optimizer):
                 slots[slot] = whole[start:stop].reshape(params[name].shape)
         return flat, spans
 
-    def _update(self, name, param, grad):
-        self._arithmetic(param, grad, self._slot(name, "exp_avg", param),
-                         self._slot(name, "exp_avg_sq", param))
+    def _apply(self, param, grad, slots, fresh):
+        self._arithmetic(param, grad, slots["exp_avg"], slots["exp_avg_sq"])
 
     def _arithmetic(self, param, grad, m, v):
         """One AdamW update of float32 arrays in place (the order of operations is torch's)."""

@@ -62,3 +62,50 @@ def test_float16_weights_keep_the_weight_by_weight_step():
     optimizer = AdamW(0.01)
     optimizer.step(params, grads[0])
     assert optimizer._flat is None and params["b"].dtype == np.float16
+
+
+def test_large_weights_update_in_place_chunk_by_chunk_with_the_bits_of_a_whole_update():
+    """A weight larger than one chunk is updated in place (no copy of it, temporaries of one
+    chunk): the bits of the update of the whole array at once, for every optimizer."""
+    from graphopt.trainer.optimizers import FLAT_STEP_LIMIT, OPTIMIZERS, UPDATE_CHUNK
+
+    rng = np.random.default_rng(3)
+    size = max(3 * UPDATE_CHUNK + 5, FLAT_STEP_LIMIT + 1)   # past AdamW's flat step too
+    start = rng.standard_normal(size).astype(np.float32)
+    grads = [rng.standard_normal(size).astype(np.float32) for _ in range(3)]
+    for name, cls in OPTIMIZERS.items():
+        chunked, whole = cls(0.01, 0.1), cls(0.01, 0.1)
+        param = start.copy()
+        before = param.__array_interface__["data"][0]
+        reference = start.copy()
+        for g in grads:
+            chunked.step({"w": param}, {"w": g})
+            whole.steps += 1
+            whole._update("w", reference, g)   # the whole-array arithmetic
+        assert param.__array_interface__["data"][0] == before, name   # updated in place
+        np.testing.assert_array_equal(param, reference, err_msg=name)
+        for slot in cls.slot_names:
+            np.testing.assert_array_equal(chunked.slots["w"][slot], whole.slots["w"][slot])
+
+
+def test_an_update_allocates_no_copy_of_a_large_weight():
+    """The update's temporaries are chunk-sized: NumPy's allocations during the step of a
+    64 MiB weight (its state allocated by an earlier step) stay far below the weight's size."""
+    import tracemalloc
+
+    from graphopt.trainer.optimizers import OPTIMIZERS
+
+    size = 1 << 24
+    rng = np.random.default_rng(4)
+    param = rng.standard_normal(size).astype(np.float32)
+    grad = rng.standard_normal(size).astype(np.float32)
+    for name, cls in OPTIMIZERS.items():
+        optimizer = cls(1e-3, 0.01)
+        optimizer.step({"w": param}, {"w": grad})   # allocates the state
+        tracemalloc.start()
+        try:
+            optimizer.step({"w": param}, {"w": grad})
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < param.nbytes // 16, (name, peak)
