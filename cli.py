@@ -339,6 +339,9 @@ def list_rules():
 @click.option("--train", "train_", multiple=True, metavar="PATTERN",
               help="Train these initializers even if --freeze matches them or they look like "
                    "exporter constants.")
+@click.option("--untie", is_flag=True, default=None,
+              help="Train apart the copies of a weight the exporter wrote twice (a tied "
+                   "output projection); by default they are trained as one, as PyTorch does.")
 @click.option("--list-params", is_flag=True,
               help="Print what would be trained (and what not, and why), then exit.")
 @click.option("--disable", multiple=True, metavar="RULE", help="Do not run this rule.")
@@ -386,7 +389,7 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
         seed, save_graph, checkpoint, checkpoint_every, resume, log_file, plot, denormal_report,
         output, in_place, quiet, distributed, bucket_mb, dist_timeout, dist_check_every,
         dist_overlap, list_params, ignore_index, lr_schedule, warmup, clip_grad_norm,
-        eval_data, eval_every, allow_changed_graph, class_axis):
+        eval_data, eval_every, allow_changed_graph, class_axis, untie):
     """Train MODEL (or a built-in --example) with the graphopt executor.
 
     \b
@@ -410,7 +413,8 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
         distributed=distributed, bucket_mb=bucket_mb, dist_timeout=dist_timeout,
         dist_check_every=dist_check_every, dist_overlap=dist_overlap, ignore_index=ignore_index,
         lr_schedule=lr_schedule, warmup=warmup, clip_grad_norm=clip_grad_norm,
-        eval_data=eval_data, eval_every=eval_every, class_axis=class_axis)
+        eval_data=eval_data, eval_every=eval_every, class_axis=class_axis,
+        untie=untie or None)
     if list_params:
         print_params(options, echo=echo)
         return

@@ -622,7 +622,14 @@ SETTINGS: dict[str, Callable] = {
     "warmup": lambda v, w: _int(v, w, 0),
     "clip_grad_norm": lambda v, w: None if v is None else _number(v, w, positive=True),
     "class_axis": lambda v, w: None if v is None else _int(v, w, -64, 63),
+    "untie": lambda v, w: _bool(v, w),
 }
+
+
+def _bool(value, what: str) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise InvalidField(f"{what} is {value!r}, not true or false")
+    return value
 
 
 def _one_of(value, what: str, choices: tuple[str, ...]) -> str:

@@ -20,6 +20,7 @@ from graphopt.executor import ExecutorError, Session, describe_compiled_kernels,
 from graphopt.executor.session import value_type
 from graphopt.training.graph import has_yield
 from graphopt.training.prepare import trained_params
+from graphopt.training.ties import find_ties
 from graphopt.training.weights import with_weights
 
 from . import checkpoint as ckpt
@@ -32,7 +33,7 @@ from .optimizers import make_optimizer
 from .precision import default_precision
 from .progress import Progress, StepLog
 from .schedule import check_schedule
-from .training_graph import RunGraph, build, describe_params
+from .training_graph import RunGraph, build, describe_params, tensor_value, with_tied_copies
 
 # Without --checkpoint, a Ctrl-C saves in ./INTERRUPT_DIR/<model>-<run id>/: a folder per run
 # (see checkpoint.claim_run_folder), so one run's Ctrl-C never replaces another run's checkpoint.
@@ -75,6 +76,7 @@ class RunOptions:
     list_params: bool = False             # print what would be trained, then stop
     ignore_index: int | None = None       # cross_entropy labels not counted (None: -100)
     class_axis: int | None = None         # cross_entropy: the logits' class axis (None: found)
+    untie: bool | None = None             # train tied copies apart (None: tied, as PyTorch)
     lr_schedule: str | None = None        # constant | linear | cosine (None: constant)
     warmup: int | None = None             # steps of linear warmup from 0 (None: 0)
     clip_grad_norm: float | None = None   # clip the gradients' global L2 norm to this
@@ -344,7 +346,7 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
                   level=opts.level, precision=precision, disable=opts.disable,
                   label_shapes=array_shapes(arrays),
                   ignore_index=-100 if opts.ignore_index is None else opts.ignore_index,
-                  class_axis=opts.class_axis, external=external)
+                  class_axis=opts.class_axis, external=external, untie=bool(opts.untie))
     for title, report in graph.reports:
         say(f"== {title}")
         say(report.format_table())
@@ -360,7 +362,8 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
         session = Session(graph.proto, device=opts.device, numerics=opts.numerics,
                           training=True, seed=opts.seed,
                           denormal_stats=opts.denormal_report is not None,
-                          external_values=external.array if external is not None else None)
+                          external_values=external.array if external is not None else None,
+                          fed=graph.params)   # the trainer's weights: fed, never a copy here
     except ExecutorError as exc:
         raise GraphoptError(one_line(exc)) from None
     if session.numerics is not None and hasattr(session.numerics, "describe"):
@@ -416,7 +419,8 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
                 f"this run is {total} steps long: nothing left to train; pass --steps N with "
                 f"N > {trainer.step} (or more --epochs) to train on")
     if not has_yield(forward):
-        for line in describe_params(forward, graph.params, opts.freeze, opts.train):
+        for line in describe_params(forward, graph.params, opts.freeze, opts.train,
+                                    graph.tied):
             say(line)
     say(f"training {len(graph.params)} tensors "
         f"({sum(v.size for v in graph.initial.values()):,} weights) for {total} steps of "
@@ -433,6 +437,10 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
         finally:
             if log is not None:
                 log.close()
+        # what only training needed goes before the outputs are written: the optimizer's
+        # state and the memory the session kept for a next step
+        optimizer.release()
+        session.release_memory()
         outcome = RunOutcome(graph, result, session, forward, external=external)
         numerics = getattr(session.numerics, "mode", "native")
         outcome.plot_title = (f"graphopt run {opts.example or os.path.basename(opts.model or '')}\n"
@@ -465,7 +473,7 @@ def _kept(opts: RunOptions, trainer: Trainer) -> str | None:
 # another value is an error (the length, --steps/--epochs, may change: that trains on).
 RESUMED = ("loss", "labels", "optimizer", "lr", "weight_decay", "precision", "loss_scale",
            "batch_size", "seed", "freeze", "train", "ignore_index", "lr_schedule", "warmup",
-           "clip_grad_norm", "class_axis")
+           "clip_grad_norm", "class_axis", "untie")
 
 
 def _settings_record(opts: RunOptions, loss, labels, optimizer, precision: str,
@@ -573,17 +581,24 @@ def list_params(opts: RunOptions, echo: Callable[[str], None] = print) -> list[s
     if opts.example is not None:
         from graphopt.examples import load_example
 
-        forward = load_example(opts.example).model
+        forward, external = load_example(opts.example).model, None
     else:
         if not os.path.exists(opts.model):
             raise GraphoptError(f"{opts.model}: no such file")
-        forward = modelio.load(opts.model).proto
+        loaded = modelio.load(opts.model)
+        forward, external = loaded.proto, loaded.external
     if has_yield(forward):
         raise GraphoptError("the model is already a training graph (it has a YieldOp): it "
                             "trains what its graphopt metadata lists, or else the "
                             "initializers that have a '<name>_grad' output")
     params = trained_params(forward, opts.freeze, opts.train)
-    lines = describe_params(forward, params, opts.freeze, opts.train)
+    ties = ([] if opts.untie else
+            find_ties(forward, params, lambda tensor: tensor_value(tensor, external)))
+    copies = {t.copy for t in ties}
+    params = [p for p in params if p not in copies]
+    lines = describe_params(forward, params, opts.freeze, opts.train,
+                            {t.copy: {"source": t.source, "transposed": t.transposed}
+                             for t in ties})
     for line in lines:
         echo(line)
     return params
@@ -618,7 +633,9 @@ def _finish(opts: RunOptions, outcome: RunOutcome, say, echo,
         # the trained weights first: a failure or SIGTERM in an optional output after them
         # (the plot, the reports) loses nothing that cost training. The forward model as
         # given (no YieldOp, no gradients), with the trained weights
-        written = save_model(with_weights(outcome.forward, result.params), opts.output,
+        written = save_model(with_weights(outcome.forward,
+                                          with_tied_copies(result.params, outcome.graph.tied)),
+                             opts.output,
                              protect=protect, external=outcome.external)
         for path in written:
             protect.add(path, "trained model written by -o")

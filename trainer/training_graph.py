@@ -25,7 +25,9 @@ from graphopt.training.selection import NOT_TRAINED_REASONS, classify_initialize
 @dataclass(eq=False)   # initial holds arrays
 class RunGraph(TrainingGraph):
     """A :class:`TrainingGraph` as a run trains it."""
-    initial: dict[str, np.ndarray] = field(default_factory=dict)   # float32 param values
+    # float32 starting values of the trained weights, each an array of its own: a trainer
+    # updates them in place (its master weights in fp32 precision: no second copy)
+    initial: dict[str, np.ndarray] = field(default_factory=dict)
     reports: list[tuple[str, Report]] = field(default_factory=list)
     fingerprint: str = ""             # what a checkpoint must match to resume (see below)
 
@@ -38,7 +40,7 @@ def build(forward: onnx.ModelProto, *, loss: str | None = None, labels: str | No
           freeze=(), train=(), level: int = 2, precision: str = "fp32",
           disable: tuple[str, ...] = (), label_shapes: dict | None = None,
           ignore_index: int | None = None, class_axis: int | None = None,
-          external=None) -> RunGraph:
+          external=None, untie: bool = False) -> RunGraph:
     """The optimized training graph of ``forward`` for a run in ``precision`` (see
     :func:`graphopt.training.prepare_training` for the other arguments; ``external``: the open
     files holding ``forward``'s external tensors, :class:`graphopt.modelio.ExternalFiles`)."""
@@ -46,11 +48,11 @@ def build(forward: onnx.ModelProto, *, loss: str | None = None, labels: str | No
                                       train=train, level=level, float16=precision != "fp32",
                                       disable=disable, label_shapes=label_shapes,
                                       ignore_index=ignore_index, class_axis=class_axis,
-                                      external=external)
+                                      external=external, untie=untie)
     originals = {t.name: t for t in forward.graph.initializer}
     current = {t.name: t for t in graph.proto.graph.initializer}
-    initial = {name: tensor_value(originals.get(name, current[name]), external)
-               .astype(np.float32) for name in graph.params}
+    initial = {name: trainable_copy(tensor_value(originals.get(name, current[name]), external))
+               for name in graph.params}
     contract = {f.name: getattr(graph, f.name) for f in dataclasses.fields(TrainingGraph)}
     return RunGraph(**contract, initial=initial, reports=reports,
                     fingerprint=fingerprint(forward, graph.params, loss, labels, external))
@@ -61,6 +63,16 @@ def tensor_value(tensor: onnx.TensorProto, external=None) -> np.ndarray:
     if tensor.data_location == onnx.TensorProto.EXTERNAL and external is not None:
         return external.array(tensor)
     return numpy_helper.to_array(tensor)
+
+
+def trainable_copy(value: np.ndarray) -> np.ndarray:
+    """``value`` as a writable, contiguous float32 array of its own: itself when it is one
+    already (read from a file into memory of its own), else a float32 copy (a view of the
+    model's bytes, another dtype)."""
+    if (value.dtype == np.float32 and value.flags.c_contiguous and value.flags.writeable
+            and value.flags.owndata):
+        return value
+    return np.array(value, dtype=np.float32, order="C")
 
 
 def fingerprint(forward: onnx.ModelProto, trained, loss: str | None,
@@ -98,10 +110,21 @@ def _group(name: str) -> str:
     return ".".join("*" if part.isdigit() else part for part in name.split("."))
 
 
-def describe_params(forward: onnx.ModelProto, params: list[str], freeze=(), train=()
-                    ) -> list[str]:
-    """Lines saying what is trained (count, weights, names grouped by layer) and what is not
-    and why; printed before step 1 and by ``--list-params``."""
+def with_tied_copies(params: dict[str, np.ndarray], tied: dict[str, dict]
+                     ) -> dict[str, np.ndarray]:
+    """``params`` and the value of each tied copy, from its trained source (a view)."""
+    values = dict(params)
+    for copy, tie in tied.items():
+        source = params[tie["source"]]
+        values[copy] = source.T if tie["transposed"] else source
+    return values
+
+
+def describe_params(forward: onnx.ModelProto, params: list[str], freeze=(), train=(),
+                    tied: dict[str, dict] | None = None) -> list[str]:
+    """Lines saying what is trained (count, weights, names grouped by layer), which copies
+    of a weight are trained as that weight, and what is not trained and why; printed before
+    step 1 and by ``--list-params``."""
     sizes = {t.name: int(np.prod(t.dims, dtype=np.int64)) for t in forward.graph.initializer}
     shapes = {t.name: list(t.dims) for t in forward.graph.initializer}
     groups: dict[str, list[str]] = {}
@@ -118,8 +141,14 @@ def describe_params(forward: onnx.ModelProto, params: list[str], freeze=(), trai
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     lines += [f"  {a.ljust(widths[0])}  {b.ljust(widths[1])}  {c.rjust(widths[2])}"
               for a, b, c in rows]
+    if tied:
+        shown = [f"{copy} = {tie['source']}{'^T' if tie['transposed'] else ''}"
+                 for copy, tie in tied.items()]
+        lines.append(f"tied: {listed_names(shown)} (copies the exporter wrote of a trained "
+                     "weight, trained as that weight and written back from it; --untie "
+                     "trains them apart)")
     default, left_out = classify_initializers(forward)
-    chosen = set(params)
+    chosen = set(params) | set(tied or ())
     frozen = [n for n in default if n not in chosen]
     if frozen:
         left_out = {"frozen": frozen, **left_out}

@@ -38,8 +38,9 @@ class TrainingGraph:
     output; ``losses``: the YieldOp inputs whose gradient is fed (usually one scalar loss);
     ``loss_grads``: the YieldOp outputs, fed the gradient of each loss (the loss scale);
     ``input_grads``: graph inputs that also get a gradient, and its output; ``frozen``: the
-    floating-point initializers that are not trained. Building one checks it against the
-    proto and records it in the proto's metadata.
+    floating-point initializers that are not trained; ``tied``: the forward model's copies of
+    a trained weight, trained as that weight (written back from it). Building one checks it
+    against the proto and records it in the proto's metadata.
     """
     proto: onnx.ModelProto
     params: list[str]
@@ -48,6 +49,9 @@ class TrainingGraph:
     loss_grads: list[str]
     input_grads: dict[str, str] = field(default_factory=dict)
     frozen: list[str] = field(default_factory=list)
+    # tied copies of trained weights (see .ties): copy -> {"source": name, "transposed": bool};
+    # the graph computes each copy from its source, whose gradient sums both uses
+    tied: dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self):
         problem = _inconsistency(self)
@@ -75,12 +79,14 @@ class TrainingGraph:
         """The same contract on a rewritten proto (optimized, converted to float16): the
         names it lists must still be there."""
         return TrainingGraph(proto, list(self.params), dict(self.grads), list(self.losses),
-                             list(self.loss_grads), dict(self.input_grads), list(self.frozen))
+                             list(self.loss_grads), dict(self.input_grads), list(self.frozen),
+                             dict(self.tied))
 
     def metadata(self) -> dict:
         return {"version": METADATA_VERSION, "params": self.params, "grads": self.grads,
                 "losses": self.losses, "loss_grads": self.loss_grads,
-                "input_grads": self.input_grads, "frozen": self.frozen}
+                "input_grads": self.input_grads, "frozen": self.frozen,
+                **({"tied": self.tied} if self.tied else {})}
 
 
 def discover(model: onnx.ModelProto) -> TrainingGraph:
@@ -140,6 +146,11 @@ def _inconsistency(tg: TrainingGraph) -> str | None:
     for ok, words in checks:
         if not ok:
             return words
+    for copy, tie in tg.tied.items():
+        if tie.get("source") not in tg.params:
+            return f"tied copy {copy!r} is not the copy of a trained parameter"
+        if copy in initializers or copy in tg.params:
+            return f"tied copy {copy!r} is still an initializer of its own"
     wanted = [(tg.params, initializers, "trained parameter", "initializer"),
               (tg.frozen, initializers, "frozen tensor", "initializer"),
               (list(tg.grads.values()), outputs, "gradient", "graph output"),
@@ -177,8 +188,16 @@ def _str_dict(value) -> bool:
     return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
 
 
+def _tie_dict(value) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(v, dict) and set(v) == {"source", "transposed"}
+        and isinstance(v["source"], str) and isinstance(v["transposed"], bool)
+        for v in value.values())
+
+
 _FIELDS = {"params": _str_list, "grads": _str_dict, "losses": _str_list,
            "loss_grads": _str_list, "input_grads": _str_dict, "frozen": _str_list}
+_OPTIONAL_FIELDS = {"tied": _tie_dict}
 
 
 def _from_metadata(model: onnx.ModelProto, text: str) -> TrainingGraph:
@@ -199,11 +218,15 @@ def _from_metadata(model: onnx.ModelProto, text: str) -> TrainingGraph:
         if not valid(data.get(name)):
             raise GraphoptError(f"{where}: {name!r} is missing or not a list/map of names; "
                                 f"{hint}")
-    unknown = sorted(set(data) - set(_FIELDS) - {"version"})
+    for name, valid in _OPTIONAL_FIELDS.items():
+        if name in data and not valid(data[name]):
+            raise GraphoptError(f"{where}: {name!r} is not a map of tied copies; {hint}")
+    unknown = sorted(set(data) - set(_FIELDS) - set(_OPTIONAL_FIELDS) - {"version"})
     if unknown:
         raise GraphoptError(f"{where} has unknown field(s) {', '.join(unknown)}; {hint}")
     try:
-        return TrainingGraph(model, **{name: data[name] for name in _FIELDS})
+        return TrainingGraph(model, **{name: data[name] for name in _FIELDS},
+                             **{name: data[name] for name in _OPTIONAL_FIELDS if name in data})
     except GraphoptError as exc:
         problem = str(exc).removeprefix("inconsistent training graph: ")
         raise GraphoptError(f"{where} does not match the graph: {problem}; {hint}") from None

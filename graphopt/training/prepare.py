@@ -17,7 +17,10 @@ from its output names (:meth:`.graph.TrainingGraph.from_model`).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import onnx
+from onnx import numpy_helper
 
 from ..api import optimize as optimize_model
 from ..dsl import BEFORE_DIFFERENTIATION
@@ -31,6 +34,7 @@ from .float16 import to_float16
 from .graph import TrainingGraph, has_yield
 from .losses import DEFAULT_LABELS, checked_ignore_index, class_axis_for
 from .selection import classify_initializers, select_trainable
+from .ties import find_ties, tie
 
 NAMED_LOSSES = ("cross_entropy", "mse", "output")
 
@@ -39,7 +43,7 @@ def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
                      labels: str | None = None, freeze=(), train=(), level: int = 2,
                      float16: bool = False, disable: tuple[str, ...] = (),
                      label_shapes: dict | None = None, ignore_index: int | None = None,
-                     class_axis: int | None = None, external=None
+                     class_axis: int | None = None, external=None, untie: bool = False
                      ) -> tuple[TrainingGraph, list[tuple[str, Report]]]:
     """(the optimized training graph, the rewrite report of each stage with its title).
 
@@ -52,7 +56,9 @@ def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
     ``external``: the open files (:class:`graphopt.modelio.ExternalFiles`) holding the bytes
     of ``forward``'s external tensors (weights a loaded model references where they lie):
     they stay references in the training graph, read where a rule needs a value; a float16
-    copy reads them all."""
+    copy reads them all. Trained weights the exporter wrote twice (a tied output projection
+    folded into its transpose, :mod:`.ties`) are trained as one, listed in the graph's
+    ``tied``; ``untie`` trains them apart."""
     def optimize(proto, **options):
         model = Model(proto)   # proto is this function's own copy: no second one
         model.external = external
@@ -81,6 +87,10 @@ def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
     params = trained_params(forward, freeze, train)
     staged = onnx.ModelProto()
     staged.CopyFrom(forward)
+    ties = [] if untie else find_ties(forward, params, _reader(external))
+    tie(staged, ties)
+    copies = {t.copy for t in ties}
+    params = [p for p in params if p not in copies]
     list_weights_as_inputs(staged.graph, params)
     early = differentiable_fusions(level, disable)
     staged, report = optimize(staged, level=1, enable=early, disable=list(disable))
@@ -94,9 +104,20 @@ def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
                                                class_axis), ignore_index=ignore_index)
     graph = build_training_graph(staged, labels_name=labels, train=params,
                                  trainable=params, **arguments)
+    graph = dataclasses.replace(graph, tied={t.copy: {"source": t.source,
+                                                      "transposed": t.transposed} for t in ties})
     optimized, report = optimize(graph.proto, level=level, disable=list(disable))
     reports.append((f"training graph, level {level}", report))
     return _check_trains(graph.with_proto(optimized)), reports
+
+
+def _reader(external):
+    """A tensor's value: from the open files its reference points into, or from the proto."""
+    def read(tensor: onnx.TensorProto):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL and external is not None:
+            return external.array(tensor)
+        return numpy_helper.to_array(tensor)
+    return read
 
 
 def with_values(model: onnx.ModelProto, external) -> onnx.ModelProto:
