@@ -342,6 +342,9 @@ def list_rules():
 @click.option("--untie", is_flag=True, default=None,
               help="Train apart the copies of a weight the exporter wrote twice (a tied "
                    "output projection); by default they are trained as one, as PyTorch does.")
+@click.option("--split-shared", is_flag=True, default=None,
+              help="Give each module its own copy of a parameter the exporter merged with "
+                   "others because they started equal (a fresh model's norms and biases).")
 @click.option("--list-params", is_flag=True,
               help="Print what would be trained (and what not, and why), then exit.")
 @click.option("--disable", multiple=True, metavar="RULE", help="Do not run this rule.")
@@ -389,7 +392,8 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
         seed, save_graph, checkpoint, checkpoint_every, resume, log_file, plot, denormal_report,
         output, in_place, quiet, distributed, bucket_mb, dist_timeout, dist_check_every,
         dist_overlap, list_params, ignore_index, lr_schedule, warmup, clip_grad_norm,
-        eval_data, eval_every, allow_changed_graph, class_axis, untie):
+        eval_data, eval_every, allow_changed_graph, class_axis, untie,
+        split_shared):
     """Train MODEL (or a built-in --example) with the graphopt executor.
 
     \b
@@ -414,7 +418,7 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
         dist_check_every=dist_check_every, dist_overlap=dist_overlap, ignore_index=ignore_index,
         lr_schedule=lr_schedule, warmup=warmup, clip_grad_norm=clip_grad_norm,
         eval_data=eval_data, eval_every=eval_every, class_axis=class_axis,
-        untie=untie or None)
+        untie=untie or None, split_shared=split_shared or None)
     if list_params:
         print_params(options, echo=echo)
         return

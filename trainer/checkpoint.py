@@ -623,6 +623,7 @@ SETTINGS: dict[str, Callable] = {
     "clip_grad_norm": lambda v, w: None if v is None else _number(v, w, positive=True),
     "class_axis": lambda v, w: None if v is None else _int(v, w, -64, 63),
     "untie": lambda v, w: _bool(v, w),
+    "split_shared": lambda v, w: _bool(v, w),
 }
 
 

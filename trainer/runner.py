@@ -20,6 +20,7 @@ from graphopt.executor import ExecutorError, Session, describe_compiled_kernels,
 from graphopt.executor.session import value_type
 from graphopt.training.graph import has_yield
 from graphopt.training.prepare import trained_params
+from graphopt.training.shared import find_merges, split
 from graphopt.training.ties import find_ties
 from graphopt.training.weights import with_weights
 
@@ -77,6 +78,7 @@ class RunOptions:
     ignore_index: int | None = None       # cross_entropy labels not counted (None: -100)
     class_axis: int | None = None         # cross_entropy: the logits' class axis (None: found)
     untie: bool | None = None             # train tied copies apart (None: tied, as PyTorch)
+    split_shared: bool | None = None      # one copy per module of an exporter-merged tensor
     lr_schedule: str | None = None        # constant | linear | cosine (None: constant)
     warmup: int | None = None             # steps of linear warmup from 0 (None: 0)
     clip_grad_norm: float | None = None   # clip the gradients' global L2 norm to this
@@ -332,6 +334,7 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
     if opts.seed is None:
         opts = dataclasses.replace(opts, seed=0)
     _check_seed(opts.seed)
+    forward = _merged_parameters(opts, forward, external, say)
     precision, note = default_precision(forward, opts.precision)
     if note:
         say(f"note: {note}")
@@ -473,7 +476,7 @@ def _kept(opts: RunOptions, trainer: Trainer) -> str | None:
 # another value is an error (the length, --steps/--epochs, may change: that trains on).
 RESUMED = ("loss", "labels", "optimizer", "lr", "weight_decay", "precision", "loss_scale",
            "batch_size", "seed", "freeze", "train", "ignore_index", "lr_schedule", "warmup",
-           "clip_grad_norm", "class_axis", "untie")
+           "clip_grad_norm", "class_axis", "untie", "split_shared")
 
 
 def _settings_record(opts: RunOptions, loss, labels, optimizer, precision: str,
@@ -573,6 +576,34 @@ def _warn_if_nothing_saved(opts: RunOptions, writer: bool, echo) -> None:
          "the interrupt message names it)")
 
 
+def _merged_parameters(opts: RunOptions, forward: onnx.ModelProto, external, say
+                       ) -> onnx.ModelProto:
+    """The forward model with each exporter-merged parameter (:mod:`graphopt.training.shared`)
+    split into one per module with --split-shared; without it, the same model and a note
+    saying what was merged. A model that is a training graph already is left alone."""
+    if has_yield(forward):
+        return forward
+    candidates = trained_params(forward, (), opts.train)
+    merges = find_merges(forward, candidates, lambda tensor: tensor_value(tensor, external))
+    if not merges:
+        return forward
+    if not opts.split_shared:
+        shown = "; ".join(m.describe() for m in merges[:2])
+        more = f" (and {len(merges) - 2} more)" if len(merges) > 2 else ""
+        say(f"note: {len(merges)} trained tensor(s) stand for the parameters of several "
+            f"modules: {shown}{more}. An exporter merges parameters that start equal (a "
+            f"fresh model's ones and zeros); PyTorch trains "
+            f"{sum(len(m.copies) + 1 for m in merges)} tensors there, graphopt "
+            f"{len(merges)}: --split-shared trains each module its own copy")
+        return forward
+    split_model = onnx.ModelProto()
+    split_model.CopyFrom(forward)
+    split(split_model, merges)
+    say(f"split {len(merges)} merged tensor(s) into "
+        f"{sum(len(m.copies) + 1 for m in merges)}, one per module (--split-shared)")
+    return split_model
+
+
 def list_params(opts: RunOptions, echo: Callable[[str], None] = print) -> list[str]:
     """``graphopt run --list-params``: what a run with these options would train, and what
     it would leave out and why; no data needed, nothing trained or written."""
@@ -591,6 +622,7 @@ def list_params(opts: RunOptions, echo: Callable[[str], None] = print) -> list[s
         raise GraphoptError("the model is already a training graph (it has a YieldOp): it "
                             "trains what its graphopt metadata lists, or else the "
                             "initializers that have a '<name>_grad' output")
+    forward = _merged_parameters(opts, forward, external, echo)
     params = trained_params(forward, opts.freeze, opts.train)
     ties = ([] if opts.untie else
             find_ties(forward, params, lambda tensor: tensor_value(tensor, external)))
