@@ -229,10 +229,24 @@ def _type_proto(t) -> onnx.TypeProto:
     return onnx.helper.make_tensor_type_proto(elem, list(dims))
 
 
-def complete_types(nodes, model: onnx.ModelProto, types: dict, constant) -> dict:
+# ops whose small integer outputs the plan computes from known small inputs (the shape
+# arithmetic: Shape -> Gather -> Concat -> Reshape), when ONNX's data propagation was not run
+VALUE_OPS = frozenset({
+    "Gather", "Concat", "Unsqueeze", "Squeeze", "Slice", "Cast", "Add", "Sub", "Mul", "Div",
+    "Equal", "Less", "Greater", "Where", "Identity", "Neg", "Abs", "Max", "Min", "Not", "Mod",
+    "ReduceProd", "Size", "Reshape", "Flatten", "Transpose"})
+VALUE_CONTRIB_OPS = frozenset({"BroadcastGradientArgs"})   # com.microsoft: reduction axes
+VALUE_ELEMENTS = 4096   # the largest value the plan computes or keeps
+
+
+def complete_types(nodes, model: onnx.ModelProto, types: dict, constant,
+                   evaluate=None) -> dict:
     """Fill in what ONNX inference left out: outputs of the non-ONNX kernels (their
     estimates) and of the standard nodes after them (per-node inference), in plan order.
-    ``constant(name)``: a small initializer's value, else None."""
+    ``constant(name)``: a small initializer's value, else None. ``evaluate(node, values)``:
+    the node's outputs computed by its kernel (None: not available), used for the VALUE_OPS
+    nodes whose inputs are all known small values, so that the shapes computed from the
+    data's shape (a Reshape's target, a Range's length) are known too."""
     graph_nodes = model.graph.node
     for init in model.graph.initializer:  # inference lists no initializer in value_info
         types.setdefault(init.name, (init.data_type, list(init.dims)))
@@ -251,6 +265,9 @@ def complete_types(nodes, model: onnx.ModelProto, types: dict, constant) -> dict
                 rank = len(t[1])
                 start, end = node.attr("start"), node.attrs.get("end", rank)
                 shapes[node.outputs[0]] = np.array(t[1], np.int64)[slice(start, end)]
+        if (evaluate is not None and node.inputs
+                and node.op_type in (VALUE_OPS if node.domain == "" else VALUE_CONTRIB_OPS)):
+            _propagate_values(node, types, shapes, constant, evaluate)
         missing = [o for o in node.outputs if o and _unknown(types.get(o))]
         if node.domain != "":
             inputs = [types.get(n) if n else None for n in node.inputs]
@@ -295,8 +312,39 @@ def complete_types(nodes, model: onnx.ModelProto, types: dict, constant) -> dict
     return types
 
 
+def _propagate_values(node, types: dict, values: dict, constant, evaluate) -> None:
+    """Compute a VALUE_OPS node's outputs from its inputs' known values (small ones only)
+    into ``values``, and their types into ``types``."""
+    args = []
+    for name in node.inputs:
+        value = constant(name) if name else None
+        if name and (value is None or np.size(value) > VALUE_ELEMENTS):
+            return
+        args.append(value)
+    try:
+        outputs = evaluate(node, args)
+    except Exception:  # noqa: BLE001 (the kernel will say what is wrong when it runs)
+        return
+    if not isinstance(outputs, (tuple, list)):
+        outputs = (outputs,)
+    for name, value in zip(node.outputs, outputs, strict=False):
+        if isinstance(value, np.generic):   # a kernel's 0-d result as a numpy scalar
+            value = np.asarray(value)
+        if not name or not isinstance(value, np.ndarray) or value.size > VALUE_ELEMENTS:
+            continue
+        values[name] = value
+        try:
+            elem = onnx.helper.np_dtype_to_tensor_dtype(value.dtype)
+        except (KeyError, TypeError, ValueError):
+            continue
+        types[name] = (elem, [int(d) for d in value.shape])
+
+
 def _unknown(t) -> bool:
-    return t is None or any(d is None for d in t[1])
+    """Whether a type leaves a dim unknown: None, or a symbol ONNX inference made up
+    (``unk__N``: no feed ever binds it), unlike a declared symbol (``batch``)."""
+    return t is None or any(d is None or (isinstance(d, str) and d.startswith("unk__"))
+                            for d in t[1])
 
 
 # ---- the estimate ---------------------------------------------------------------------
@@ -357,7 +405,18 @@ class MemoryGuard:
 
     def _infer(self, input_shapes=None) -> dict[str, tuple[int, list]]:
         types = infer_types(self.session.model, input_shapes)
-        return complete_types(self.session._ordered, self.session.model, types, self._constant)
+        for name, shape in (input_shapes or {}).items():   # what the feeds are, exactly
+            if name in types:
+                types[name] = (types[name][0], [int(d) for d in shape])
+        return complete_types(self.session._ordered, self.session.model, types, self._constant,
+                              self._evaluate if self.session.backend.xp is np else None)
+
+    def _evaluate(self, node, args):
+        """``node``'s outputs by its own kernel, on host arrays (plan time, small values)."""
+        spec = node.spec
+        if spec is None or spec.reads_also is not None:
+            return None
+        return spec.fn(self.session._ctx, node, *args)
 
     def _sizes(self, symbols: Mapping[str, int], types=None) -> dict[str, int | None]:
         return {name: _bytes(elem, dims, symbols) for name, (elem, dims) in
@@ -395,17 +454,7 @@ class MemoryGuard:
                                        "for these feed shapes, before running")
             return verdict
         if sizes is None:
-            symbols: dict[str, int] = {}
-            for name, shape in shapes.items():
-                _, dims = self.types.get(name, (None, []))
-                for d, actual in zip(dims, shape, strict=False):
-                    if isinstance(d, str):
-                        symbols.setdefault(d, actual)
-            sizes = self._sizes(symbols)
-            if any(v is None for v in sizes.values()):  # still unknown: infer with shapes
-                sizes = self._sizes(symbols, self._infer(shapes))
-            if len(self._cache) < 64:
-                self._cache[key] = sizes
+            sizes = self._sizes_for(shapes, key)
             self.run_sizes = sizes
         fed = {n: int(getattr(v, "nbytes", 0)) for n, v in feeds.items()}
         peak, _ = planned_peak(plan, sizes, self.resident, fed)
@@ -415,6 +464,33 @@ class MemoryGuard:
             raise MemoryLimitError(peak, self.available, self.device,
                                    "for these feed shapes, before running")
         return peak
+
+    def _sizes_for(self, shapes: Mapping[str, tuple[int, ...]], key) -> dict[str, int | None]:
+        """Every tensor's bytes for these feed shapes: the symbolic dims bound from them, and
+        inference run again with them where a size stays unknown (cached by ``key``)."""
+        symbols: dict[str, int] = {}
+        for name, shape in shapes.items():
+            _, dims = self.types.get(name, (None, []))
+            for d, actual in zip(dims, shape, strict=False):
+                if isinstance(d, str):
+                    symbols.setdefault(d, actual)
+        sizes = self._sizes(symbols)
+        if any(v is None for v in sizes.values()):  # still unknown: infer with shapes
+            sizes = self._sizes(symbols, self._infer(shapes))
+        if len(self._cache) < 64:
+            self._cache[key] = sizes
+        return sizes
+
+    def estimate(self, plan, feeds: Mapping[str, object]) -> tuple[int, int | None]:
+        """(planned peak bytes of running ``plan`` on ``feeds``, index of the step reaching
+        it: None before any), whether or not the check is on (what a caller reports)."""
+        if not self.types:
+            self.types = self._infer()
+        shapes = {n: tuple(int(d) for d in getattr(v, "shape", ())) for n, v in feeds.items()}
+        key = tuple(sorted(shapes.items()))
+        sizes = self._cache.get(key) or self._sizes_for(shapes, key)
+        fed = {n: int(getattr(v, "nbytes", 0)) for n, v in feeds.items()}
+        return planned_peak(plan, sizes, self.resident, fed)
 
     def check_allocation(self, node, shape: Sequence[int], dtype) -> None:
         """See the module function: refuse an output the plan did not count when it does

@@ -182,6 +182,19 @@ class Session:
         # plan the graph outputs now: model errors (and plans that cannot fit) surface here
         self._memory.check_plan(self.plan())
 
+    def planned_peak(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None = None
+                     ) -> tuple[int, str | None]:
+        """(the planned peak bytes of a run on ``feeds``, the node whose outputs reach it:
+        None when the peak is before any node). Sizes come from the static shapes and the
+        feeds' (executor/memory.py): a lower bound where a size depends on the data."""
+        plan = self.plan(output_names)
+        peak, step = self._memory.estimate(plan, feeds)
+        return peak, None if step is None else plan.steps[step].node.name
+
+    def constants_bytes(self) -> int:
+        """Bytes the session holds for the model's initializers (not those it is fed)."""
+        return int(self._memory.resident)
+
     def release_memory(self) -> None:
         """Give back the memory kept for the next run (spare arrays, freed host memory):
         for when no run follows soon (a training run's last step is done)."""

@@ -14,6 +14,7 @@ overflow flag are agreed across ranks before this decision, so every rank decide
 from __future__ import annotations
 
 import math
+import os
 import signal
 import threading
 import time
@@ -25,6 +26,7 @@ import onnx
 
 from graphopt.errors import GraphoptError, Terminated
 from graphopt.executor import ExecutorError
+from graphopt.executor.memory import human as memory_human
 from graphopt.executor.numerics import WeightGeneration
 
 from . import checkpoint as ckpt
@@ -168,6 +170,16 @@ def locate_nonfinite(session, feeds: dict, weights=()) -> str | None:
             detail = "inputs finite"
         return f"first non-finite value ({kind}) produced by {where} ({detail})"
     return None
+
+
+def resident_bytes() -> int | None:
+    """This process's resident set (Linux's /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def memory_owner(array):
@@ -404,6 +416,41 @@ class Trainer:
             record["nonfinite"] = kind
         self.history.append(record)
         return record
+
+    # -- memory -------------------------------------------------------------------------------
+    def memory_plan(self) -> tuple[int, str]:
+        """(the step's planned peak bytes, what it is made of in words): what the process
+        holds now (the master weights, the session's constants, the interpreter, libraries
+        and graphs: the resident set on the CPU), the optimizer's state (allocated at its
+        first update), and the step's own tensors at their peak (activations kept for the
+        backward pass, gradients, the compute-dtype copies of the weights, the batch), from
+        the executor's plan. Kernels' scratch memory comes on top."""
+        feeds = self.batches.batch(self.step)
+        for name, value in self.params.items():
+            feeds[name] = value.astype(self.compute_dtype, copy=False)
+        run_peak, node = self.session.planned_peak(feeds, self.fetches)
+        weights = sum(int(p.nbytes) for p in self.params.values())
+        fed_copies = any(feeds[n] is not p for n, p in self.params.items())
+        state = 0 if self.optimizer.slots else len(self.optimizer.slot_names) * sum(
+            4 * int(p.size) for p in self.params.values())
+        constants = self.session.constants_bytes()
+        step_tensors = max(0, run_peak - constants - (0 if fed_copies else weights))
+        human = memory_human
+        resident = resident_bytes() if not self._on_device else None
+        if resident is not None:
+            held = resident
+            parts = [f"this process now {human(resident)} (weights {human(weights)}, the "
+                     f"interpreter, libraries and graph)"]
+        else:
+            held = weights + constants
+            parts = [f"weights {human(weights)}"]
+        if state:
+            parts.append(f"optimizer state {human(state)}")
+        where = f", at node {node!r}" if node else ""
+        parts.append(f"the step's tensors {human(step_tensors)} (activations kept for the "
+                     f"backward pass, gradients, batch{where})")
+        total = held + state + step_tensors
+        return total, f"planned peak memory about {human(total)}: " + " + ".join(parts)
 
     # -- evaluation ---------------------------------------------------------------------------
     def _eval_due(self) -> bool:

@@ -431,6 +431,7 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
         f"{optimizer.name} lr {optimizer.lr:g}{_schedule_words(settings)}; precision "
         f"{precision}; loss scale "
         f"{scaler.describe()}; device {session.device}{_kernel_words(session)}")
+    say(trainer.memory_plan()[1])
     try:
         try:
             result = trainer.run()
