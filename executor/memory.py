@@ -393,7 +393,7 @@ class MemoryGuard:
         # during a run: its slot values (Session.run sets them) and the sizes its plan counted
         self.values: list | None = None
         self.run_sizes: Mapping[str, int | None] | None = None
-        self._resident_owners = frozenset(id(_owner(a)) for a in
+        self._resident_owners = frozenset(id(memory_owner(a)) for a in
                                           session._initializers.values())
 
     def _constant(self, name: str):
@@ -516,14 +516,14 @@ class MemoryGuard:
         for value in self.values or ():
             if value is None:
                 continue
-            owner = _owner(value)
+            owner = memory_owner(value)
             if id(owner) not in seen:
                 seen.add(id(owner))
                 total += int(getattr(owner, "nbytes", 0))
         return total
 
 
-def _owner(array):
+def memory_owner(array):
     """The array whose memory ``array`` views (itself when it owns it)."""
     base = getattr(array, "base", None)
     while base is not None and hasattr(base, "nbytes"):

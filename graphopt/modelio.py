@@ -498,6 +498,13 @@ def external_bytes(model: Model) -> int:
     return sum(files.check(tensor)[2] for tensor in _external_tensors(model.proto))
 
 
+def tensor_value(tensor: onnx.TensorProto, external: ExternalFiles | None = None) -> np.ndarray:
+    """A tensor's value: from the open file its reference points into, or from the proto."""
+    if tensor.data_location == onnx.TensorProto.EXTERNAL and external is not None:
+        return external.array(tensor)
+    return onnx.numpy_helper.to_array(tensor)
+
+
 def load_external_data(model: Model) -> None:
     """Read every external tensor into the proto (from the checked descriptors)."""
     files = external_files(model)

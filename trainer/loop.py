@@ -27,6 +27,7 @@ import onnx
 from graphopt.errors import GraphoptError, Terminated
 from graphopt.executor import ExecutorError
 from graphopt.executor.memory import human as memory_human
+from graphopt.executor.memory import memory_owner
 from graphopt.executor.numerics import WeightGeneration
 
 from . import checkpoint as ckpt
@@ -182,13 +183,6 @@ def resident_bytes() -> int | None:
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
-def memory_owner(array):
-    """The array whose memory ``array`` views (itself when it owns it)."""
-    while getattr(array, "base", None) is not None and hasattr(array.base, "nbytes"):
-        array = array.base
-    return array
-
-
 def own_gradient(value, taken: set[int]):
     """A gradient as a float32 array the step may scale in place (loss scale, clipping): the
     run's output itself when it is one (no copy of every gradient), else a copy: another
@@ -243,6 +237,9 @@ class Trainer:
         # the emulated FP16 alternate converts each weight once per step, not once per GEMM
         self.weight_generation = WeightGeneration()
         self._not_ours: set[int] = set()   # see _run_graph
+        # the session's constants' buffers (a gradient output may view one): fixed
+        constants = getattr(session, "constant_buffers", None)
+        self._constants = frozenset(constants()) if constants is not None else frozenset()
         numerics = getattr(session, "numerics", None)
         if hasattr(numerics, "cache_weights"):
             numerics.cache_weights(self.weight_generation)
@@ -510,8 +507,7 @@ class Trainer:
     def _run_graph(self, feeds: dict) -> dict:
         self._next_weight_generation(feeds)
         # memory a gradient output may view but the step must not scale in place
-        self._not_ours = {id(memory_owner(v)) for v in feeds.values()}
-        self._not_ours |= self.session.constant_buffers()
+        self._not_ours = {id(memory_owner(v)) for v in feeds.values()} | self._constants
         return self.session.run(feeds, self.fetches, to_host=not self._on_device)
 
     def _next_weight_generation(self, feeds: dict) -> None:

@@ -59,20 +59,25 @@ class Optimizer:
         base = self.lr
         self.lr = base * lr_factor
         try:
-            # a huge (finite) --lr overflows here: the next step reports the non-finite weight
-            # in one line, so numpy's own warnings would only be noise before it
-            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-                for name, param in params.items():
-                    if updatable_in_place(param):
-                        self._update_in_chunks(name, param, grads[name])
-                        continue
-                    # the arithmetic runs in float32 whatever the master dtype ("fp16"
-                    # precision keeps float16 masters: the rounding is part of that experiment)
-                    value = param.astype(np.float32)
-                    self._update(name, value, grads[name].astype(np.float32, copy=False))
-                    param[...] = value
+            self._update_host(params, grads)
         finally:
             self.lr = base
+
+    def _update_host(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray]
+                     ) -> None:
+        """Update host weights, each in place chunk by chunk where it is a float32 array, else
+        through a float32 copy: the arithmetic runs in float32 whatever the master dtype
+        ("fp16" precision keeps float16 masters: the rounding is part of that experiment)."""
+        # a huge (finite) --lr overflows here: the next step reports the non-finite weight in
+        # one line, so numpy's own warnings would only be noise before it
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            for name, param in params.items():
+                if updatable_in_place(param):
+                    self._update_in_chunks(name, param, grads[name])
+                    continue
+                value = param.astype(np.float32)
+                self._update(name, value, grads[name].astype(np.float32, copy=False))
+                param[...] = value
 
     def _update_in_chunks(self, name: str, param: np.ndarray, grad: np.ndarray) -> None:
         """The update of a float32 host weight in place, UPDATE_CHUNK elements at a time: the
@@ -221,15 +226,8 @@ class AdamW(Optimizer):
         base = self.lr
         self.lr = base * lr_factor   # a schedule's factor, for this update only
         try:
-            host = {name: param for name, param in params.items() if name not in device}
-            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-                for name, param in host.items():
-                    if updatable_in_place(param):
-                        self._update_in_chunks(name, param, grads[name])
-                        continue
-                    value = param.astype(np.float32)
-                    self._update(name, value, grads[name].astype(np.float32, copy=False))
-                    param[...] = value
+            self._update_host({name: param for name, param in params.items()
+                               if name not in device}, grads)
             for name in device:
                 self._fused_update(name, params[name], grads[name])
         finally:

@@ -19,9 +19,9 @@ from graphopt.errors import GraphoptError
 from graphopt.executor import ExecutorError, Session, describe_compiled_kernels, memory
 from graphopt.executor.session import value_type
 from graphopt.training.graph import has_yield
-from graphopt.training.prepare import trained_params
+from graphopt.training.prepare import trained_params, untied_params
 from graphopt.training.shared import find_merges, split
-from graphopt.training.ties import find_ties
+from graphopt.training.ties import tie_entries
 from graphopt.training.weights import with_weights
 
 from . import checkpoint as ckpt
@@ -624,14 +624,9 @@ def list_params(opts: RunOptions, echo: Callable[[str], None] = print) -> list[s
                             "trains what its graphopt metadata lists, or else the "
                             "initializers that have a '<name>_grad' output")
     forward = _merged_parameters(opts, forward, external, echo)
-    params = trained_params(forward, opts.freeze, opts.train)
-    ties = ([] if opts.untie else
-            find_ties(forward, params, lambda tensor: tensor_value(tensor, external)))
-    copies = {t.copy for t in ties}
-    params = [p for p in params if p not in copies]
-    lines = describe_params(forward, params, opts.freeze, opts.train,
-                            {t.copy: {"source": t.source, "transposed": t.transposed}
-                             for t in ties})
+    params, ties = untied_params(forward, trained_params(forward, opts.freeze, opts.train),
+                                 bool(opts.untie), external)
+    lines = describe_params(forward, params, opts.freeze, opts.train, tie_entries(ties))
     for line in lines:
         echo(line)
     return params

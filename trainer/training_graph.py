@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from graphopt.ir import normalize_domain
+from graphopt.modelio import tensor_value
 from graphopt.report import Report
 from graphopt.training import TrainingGraph
 from graphopt.training.prepare import listed_names, prepare_training
@@ -56,13 +56,6 @@ def build(forward: onnx.ModelProto, *, loss: str | None = None, labels: str | No
     contract = {f.name: getattr(graph, f.name) for f in dataclasses.fields(TrainingGraph)}
     return RunGraph(**contract, initial=initial, reports=reports,
                     fingerprint=fingerprint(forward, graph.params, loss, labels, external))
-
-
-def tensor_value(tensor: onnx.TensorProto, external=None) -> np.ndarray:
-    """A tensor's value: from the open file its reference points into, or from the proto."""
-    if tensor.data_location == onnx.TensorProto.EXTERNAL and external is not None:
-        return external.array(tensor)
-    return numpy_helper.to_array(tensor)
 
 
 def trainable_copy(value: np.ndarray) -> np.ndarray:

@@ -20,13 +20,12 @@ from __future__ import annotations
 import dataclasses
 
 import onnx
-from onnx import numpy_helper
 
 from ..api import optimize as optimize_model
 from ..dsl import BEFORE_DIFFERENTIATION
 from ..errors import GraphoptError
 from ..ir import Model, external_tensors
-from ..modelio import load_external_data
+from ..modelio import load_external_data, tensor_value
 from ..registry import all_rules
 from ..report import Report
 from .builder import build_training_graph, list_weights_as_inputs
@@ -34,7 +33,7 @@ from .float16 import to_float16
 from .graph import TrainingGraph, has_yield
 from .losses import DEFAULT_LABELS, checked_ignore_index, class_axis_for
 from .selection import classify_initializers, select_trainable
-from .ties import find_ties, tie
+from .ties import Tie, find_ties, tie, tie_entries
 
 NAMED_LOSSES = ("cross_entropy", "mse", "output")
 
@@ -87,10 +86,8 @@ def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
     params = trained_params(forward, freeze, train)
     staged = onnx.ModelProto()
     staged.CopyFrom(forward)
-    ties = [] if untie else find_ties(forward, params, _reader(external))
+    params, ties = untied_params(forward, params, untie, external)
     tie(staged, ties)
-    copies = {t.copy for t in ties}
-    params = [p for p in params if p not in copies]
     list_weights_as_inputs(staged.graph, params)
     early = differentiable_fusions(level, disable)
     staged, report = optimize(staged, level=1, enable=early, disable=list(disable))
@@ -104,20 +101,21 @@ def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
                                                class_axis), ignore_index=ignore_index)
     graph = build_training_graph(staged, labels_name=labels, train=params,
                                  trainable=params, **arguments)
-    graph = dataclasses.replace(graph, tied={t.copy: {"source": t.source,
-                                                      "transposed": t.transposed} for t in ties})
+    graph = dataclasses.replace(graph, tied=tie_entries(ties))
     optimized, report = optimize(graph.proto, level=level, disable=list(disable))
     reports.append((f"training graph, level {level}", report))
     return _check_trains(graph.with_proto(optimized)), reports
 
 
-def _reader(external):
-    """A tensor's value: from the open files its reference points into, or from the proto."""
-    def read(tensor: onnx.TensorProto):
-        if tensor.data_location == onnx.TensorProto.EXTERNAL and external is not None:
-            return external.array(tensor)
-        return numpy_helper.to_array(tensor)
-    return read
+def untied_params(forward: onnx.ModelProto, params: list[str], untie: bool = False,
+                  external=None) -> tuple[list[str], list[Tie]]:
+    """(``params`` less the tied copies among them, those ties: :mod:`.ties`); ``untie``:
+    none are tied."""
+    if untie:
+        return params, []
+    ties = find_ties(forward, params, lambda tensor: tensor_value(tensor, external))
+    copies = {t.copy for t in ties}
+    return [p for p in params if p not in copies], ties
 
 
 def with_values(model: onnx.ModelProto, external) -> onnx.ModelProto:

@@ -25,6 +25,7 @@ import onnx
 from onnx import numpy_helper
 
 from ..vocabulary import FLOAT_TYPES
+from .ties import all_equal, is_module_path
 
 NAME_SCOPES = "pkg.torch.onnx.name_scopes"   # the dynamo exporter's node metadata
 
@@ -67,7 +68,7 @@ def find_merges(model: onnx.ModelProto, trained: Sequence[str], read: Reader | N
         if len(groups) < 2:
             continue
         value = read(tensors[name])
-        if value.size == 0 or not _all_equal(value):
+        if value.size == 0 or not all_equal(value):
             continue
         merge = Merge(name, float(value.reshape(-1)[0]))
         own = _own_group(name, groups)
@@ -119,7 +120,7 @@ def _parameters_read(source: str, readers: list[tuple[int, onnx.NodeProto]]
     groups: dict[str, list[int]] = {}
     unscoped = []
     for index, node in readers:
-        if node.op_type == "Identity" and _module_path(node.output[0]):
+        if node.op_type == "Identity" and is_module_path(node.output[0]):
             groups.setdefault(node.output[0], []).append(index)
             continue
         scope = _module_scope(node)
@@ -166,10 +167,3 @@ def _fresh(name: str, taken: set[str]) -> str:
     return f"{name}_{index}"
 
 
-def _module_path(name: str) -> bool:
-    return "." in name and "::" not in name
-
-
-def _all_equal(value: np.ndarray) -> bool:
-    flat = value.reshape(-1).view(f"u{value.dtype.itemsize}")
-    return bool((flat == flat[0]).all())

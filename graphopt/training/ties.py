@@ -49,6 +49,11 @@ class Tie:
 Reader = Callable[[onnx.TensorProto], np.ndarray]
 
 
+def tie_entries(ties: Sequence[Tie]) -> dict[str, dict]:
+    """The ties as a training graph records them (:attr:`.graph.TrainingGraph.tied`)."""
+    return {t.copy: {"source": t.source, "transposed": t.transposed} for t in ties}
+
+
 def find_ties(model: onnx.ModelProto, trained: Sequence[str], read: Reader | None = None
               ) -> list[Tie]:
     """The copies among ``trained`` initializers of ``model`` (see the module's words).
@@ -71,7 +76,7 @@ def find_ties(model: onnx.ModelProto, trained: Sequence[str], read: Reader | Non
         probes = {}
         for tensor in members:
             value = read(tensor)
-            if _all_equal(value):
+            if all_equal(value):
                 continue
             probes[tensor.name] = (_probe(value),
                                   _probe(value, transposed=True) if value.ndim == 2 else None)
@@ -113,7 +118,7 @@ def find_ties(model: onnx.ModelProto, trained: Sequence[str], read: Reader | Non
     for group in members.values():
         if len(group) < 2:
             continue
-        source, source_turned = min(group, key=lambda m: (not _module_path(m[0]), order[m[0]]))
+        source, source_turned = min(group, key=lambda m: (not is_module_path(m[0]), order[m[0]]))
         ties += [Tie(name, source, turned ^ source_turned) for name, turned in group
                  if name != source]
     return sorted(ties, key=lambda t: order[t.copy])
@@ -140,12 +145,14 @@ def tie(model: onnx.ModelProto, ties: Sequence[Tie]) -> None:
     graph.node.extend(nodes + existing)
 
 
-def _module_path(name: str) -> bool:
-    """``transformer.h.0.mlp.weight``: a name the module gave, not the exporter's own."""
-    return "." in name and "::" not in name and not name.startswith("onnx::")
+def is_module_path(name: str) -> bool:
+    """``transformer.h.0.mlp.weight``: a name the module gave, not the exporter's own
+    (``onnx::MatMul_7``, ``val_3``)."""
+    return "." in name and "::" not in name
 
 
-def _all_equal(value: np.ndarray) -> bool:
+def all_equal(value: np.ndarray) -> bool:
+    """Whether every element of ``value`` has the same bits."""
     flat = _bits(value).reshape(-1)
     return bool((flat == flat[0]).all())
 
