@@ -68,7 +68,7 @@ class Session:
     ``model`` is a path or an ``onnx.ModelProto``. ``device`` is ``"auto"`` (CuPy when CuPy
     and a GPU are present, else NumPy), ``"cpu"``, ``"cuda"`` or ``"rocm"``; an unavailable
     GPU device raises a DeviceUnavailableError subclass saying what is missing.
-    ``numerics`` decides FP16 GEMM/conv numerics (issue 5): ``"auto"`` (the device's own:
+    ``numerics`` decides FP16 GEMM/conv numerics: ``"auto"`` (the device's own:
     MI200 semantics on a real gfx90a, native elsewhere), ``"native"``, ``"mi200"`` (MI200
     denormal flushing emulated bit-exactly), ``None`` (plain products, no FP16 policy), or a
     ready object with ``.matmul(a, b, op=...)``, ``.backward_pass()`` and ``.current_node``.
@@ -203,6 +203,20 @@ class Session:
             spares.clear()
         if self.backend.xp is np:
             give_back_freed()
+
+    def recycle(self, values: dict) -> None:
+        """Take back arrays the caller is done with (a run's outputs: a training step's
+        gradients, once the optimizer has applied them), emptying ``values``: a later run
+        writes its large results into them instead of mapping fresh memory, whose page
+        faults a step would otherwise pay again for every gradient of 32 MiB and more (the
+        embedding's, each large weight's). Only arrays nothing else references are kept
+        (see host_memory.SpareBlocks.offer); the rest are simply dropped."""
+        spares = self._ctx.spares
+        while values:
+            _, value = values.popitem()
+            if spares is not None:
+                spares.offer(value)
+            value = None
 
     def constant_buffers(self) -> set[int]:
         """The ids of the arrays holding the session's initializers' memory: an output that

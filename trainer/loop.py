@@ -400,6 +400,8 @@ class Trainer:
                     grad *= np.float32(coefficient)
         if applied:
             self.optimizer.step(self.params, grads, factor)
+        out.clear()  # the gradients' only other references
+        self.session.recycle(grads)  # their memory serves the next step's gradients
         self.step += 1
         epoch, _ = self.batches.position(step)
         record = {"step": self.step, "epoch": epoch, "loss": loss, "loss_scale": scale_used,

@@ -16,6 +16,12 @@ def _same_dtype(xp, result, dtype):
 
 
 # ---- binary arithmetic ---------------------------------------------------------------
+def _laid_out_row_major(*operands) -> bool:
+    """Whether a ufunc's own result for these operands is surely C-contiguous: numpy follows
+    its operands' layout (order="K"), which is row-major when every operand is."""
+    return all(x.flags.c_contiguous for x in operands)
+
+
 def _binary(ctx, ufunc, a, b):
     """``ufunc(a, b)``, written into a donated input of the result's shape and dtype; large
     NumPy results are computed in row blocks on several threads."""
@@ -23,6 +29,11 @@ def _binary(ctx, ufunc, a, b):
         return ufunc(a, b)
     shape = a.shape if a.shape == b.shape else broadcast_shape(a.shape, b.shape)
     out = ctx.out_for(shape, a.dtype, a, b) if ctx.donated else None
+    if out is None and _laid_out_row_major(a, b):
+        # a large result: a spare array of its size if one is kept. Only where the result
+        # would be row-major anyway: its layout decides the order in which later reductions
+        # add, and the bits must not depend on which memory happened to be kept
+        out = ctx.large_out(shape, a.dtype)
     rows = shape[0] if shape else 1
     parts = parts_for(math.prod(shape), rows) if ctx.xp is np else 1
     if parts == 1:

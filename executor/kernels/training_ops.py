@@ -145,7 +145,13 @@ def gather_grad(ctx, node, shape, indices, dy):
     axis = norm_axis(node.attr("axis"), len(shape))
     indices = xp.where(indices < 0, indices + shape[axis], indices)
     check_bounds(ctx, indices, shape[axis], "GatherGrad")
-    dx = xp.zeros(shape, dtype=dy.dtype)
+    # an embedding's gradient is large and mostly zeros: a spare array (a recycled gradient)
+    # zeroed costs one pass over warm memory, a fresh one a page fault per page written
+    dx = ctx.large_out(tuple(shape), dy.dtype)
+    if dx is None:
+        dx = xp.zeros(shape, dtype=dy.dtype)
+    else:
+        dx.fill(0)
     outer = math.prod(shape[:axis])
     inner = math.prod(shape[axis + 1:])
     n = int(indices.size)
@@ -320,7 +326,7 @@ def _sum_to(grad, shape):
 def _layer_norm_grad_rows(xp, dy, x, scale, mean, inv_std, ct):
     """float32/float64 (every backend) on (rows, D) views: the row means and the parameter
     gradients' column sums by einsum, the sums of products without their temporaries (see
-    row_sums, column_sums, row_dots, column_dots; issue 15)."""
+    row_sums, column_sums, row_dots, column_dots)."""
     rows = mean.size
     width = x.size // rows
     dy2 = dy.astype(ct, copy=False).reshape(rows, width)

@@ -1,5 +1,5 @@
 """A NumPy session keeps its large released arrays for later products of the same shape
-(executor/host_memory.py SpareBlocks, issue 15): glibc maps blocks of 32 MiB and more afresh
+(executor/host_memory.py SpareBlocks): glibc maps blocks of 32 MiB and more afresh
 at every allocation. Only arrays nothing else can see are kept and written again: never a
 feed, an initializer, a fetched tensor, a value a hook kept, or the owner of a live view.
 The tests lower the size from which arrays count as large, so they stay small."""
@@ -313,3 +313,73 @@ def test_a_training_step_with_many_spares_gives_the_bits_of_one_with_none(monkey
             assert got[name].tobytes() == want[name].tobytes(), name
     # kept after each run, and written into again: 40 of 61 asks found one here
     assert kept[-1] > 0 and sum(handed_out) >= 20
+
+
+# --- a run's outputs given back: Session.recycle --------------------------------------------
+
+def _embedding_gradient_model():
+    """GatherGrad as a training graph writes it for an embedding: dx (V x D, large here) is
+    zeros except the rows the indices pick, which get dy's rows added."""
+    vocab, width = 64, 32  # dx: 8 KiB
+    shape = numpy_helper.from_array(np.array([vocab, width], np.int64), "shape")
+    node = helper.make_node("GatherGrad", ["shape", "indices", "dy"], ["dx"], axis=0,
+                            domain="com.microsoft")
+    graph = helper.make_graph(
+        [node], "g",
+        [helper.make_tensor_value_info("indices", TensorProto.INT64, ["n"]),
+         helper.make_tensor_value_info("dy", TensorProto.FLOAT, ["n", width])],
+        [helper.make_tensor_value_info("dx", TensorProto.FLOAT, None)], [shape])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    return model, vocab, width
+
+
+def _embedding_feeds(seed, vocab, width, n=40):
+    rng = np.random.default_rng(seed)
+    return {"indices": rng.integers(0, vocab, n),
+            "dy": rng.standard_normal((n, width)).astype(np.float32)}
+
+
+def test_recycled_outputs_are_written_into_by_the_next_run_and_empty_the_dict():
+    model, w = _product_then_sum(fetch_product=True)
+    session = Session(model, device="cpu")
+    outputs = session.run(_feeds(0))
+    address = outputs["p"].__array_interface__["data"][0]
+    session.recycle(outputs)
+    assert outputs == {}
+    feeds = _feeds(1)
+    again = session.run(feeds)
+    assert again["p"].__array_interface__["data"][0] == address
+    np.testing.assert_array_equal(again["p"], feeds["x"] @ w)
+
+
+def test_a_recycled_output_the_caller_still_holds_is_never_written():
+    model, _ = _product_then_sum(fetch_product=True)
+    session = Session(model, device="cpu")
+    outputs = session.run(_feeds(0))
+    held = outputs["p"]
+    copy = held.copy()
+    session.recycle(outputs)
+    again = session.run(_feeds(1))
+    assert again["p"].__array_interface__["data"][0] != held.__array_interface__["data"][0]
+    np.testing.assert_array_equal(held, copy)
+
+
+def test_an_embedding_gradient_in_a_recycled_array_is_the_bits_of_fresh_zeros():
+    model, vocab, width = _embedding_gradient_model()
+    session = Session(model, device="cpu")
+    fresh_session = Session(model, device="cpu")
+    first = session.run(_embedding_feeds(0, vocab, width))
+    address = first["dx"].__array_interface__["data"][0]
+    first["dx"].fill(np.nan)  # what the memory held must not leak into the next gradient
+    session.recycle(first)
+    for seed in (1, 2):
+        feeds = _embedding_feeds(seed, vocab, width)
+        got = session.run(feeds)
+        assert got["dx"].__array_interface__["data"][0] == address  # the spare was used
+        want = fresh_session.run(feeds)["dx"]
+        assert got["dx"].tobytes() == want.tobytes()
+        reference = np.zeros((vocab, width), np.float32)
+        np.add.at(reference, feeds["indices"], feeds["dy"])
+        np.testing.assert_allclose(got["dx"], reference, rtol=1e-6, atol=1e-6)
+        session.recycle(got)
