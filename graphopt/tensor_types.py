@@ -8,6 +8,8 @@ knows nothing of:
 * the ops whose output is typed as one of their inputs (:data:`TYPE_OF_INPUT`: Gelu and
   friends) stand in as Identity nodes while inference runs (:func:`contrib_stand_ins`), so
   everything computed from them is typed too, Shape values included;
+* the outputs of LayerNormalizationGrad and ConvGrad are typed as the inputs they are the
+  gradients of (:data:`OUTPUTS_TYPED_AS_INPUTS`);
 * FusedMatMul's output is computed from its operands' shapes after its flags'
   permutations (:func:`fused_matmul_permutation`, the one statement of what transA/transB/
   transBatchA/transBatchB mean, which the executor's kernel applies to arrays), and the
@@ -32,9 +34,19 @@ from .vocabulary import (
 )
 
 # com.microsoft ops whose one output has the type and shape of one of their inputs (its index)
-# (BiasGelu's bias is a vector along its input's last axis, as ONNX Runtime requires)
+# (BiasGelu's bias is a vector along its input's last axis, as ONNX Runtime requires). The
+# gradient ops are typed by the forward tensor they differentiate: ReluGrad(dY, X),
+# SoftmaxGrad(dY, Y), SoftmaxCrossEntropyLossGrad(dY, log_prob, label, ...) -> d_logits; an
+# untyped backward pass would hide every rank-guarded fusion after them
 TYPE_OF_INPUT = {"Gelu": 0, "GeluGrad": 1, "FastGelu": 0, "FastGeluGrad": 1, "BiasGelu": 0,
-                 "BiasGeluGrad_dX": 1}
+                 "BiasGeluGrad_dX": 1, "ReluGrad": 1, "SoftmaxGrad": 1, "SoftmaxGrad_13": 1,
+                 "LogSoftmaxGrad": 1, "LogSoftmaxGrad_13": 1, "SoftmaxCrossEntropyLossGrad": 1,
+                 "DropoutGrad": 0}
+# com.microsoft ops of several outputs, each typed as one of the inputs: {output: input}
+# (LayerNormalizationGrad(dY, X, scale, mean, inv_std) -> dX, dscale, dbias; ConvGrad(dY, X,
+# W) -> dX, dW and dB, whose shape no input has)
+OUTPUTS_TYPED_AS_INPUTS = {"LayerNormalizationGrad": {0: 1, 1: 2, 2: 2},
+                           "ConvGrad": {0: 1, 1: 2}}
 
 
 def infer_types(model: onnx.ModelProto,
@@ -173,10 +185,18 @@ def complete_after_contrib_ops(model: onnx.ModelProto, found: dict) -> None:
     initializers = {t.name: t for t in graph.initializer}
     for node in graph.node:
         missing = [o for o in node.output if o and not _has_shape(known.get(o))]
-        if not missing or not all(i in known for i in node.input if i):
+        if not missing:
             continue
         domain = normalize_domain(node.domain)
-        if domain == MS_DOMAIN and node.op_type == "FusedMatMul":
+        if domain == MS_DOMAIN and node.op_type in OUTPUTS_TYPED_AS_INPUTS:
+            # typed by the inputs it names alone (its incoming gradient may be untyped)
+            inferred = {node.output[out]: known[node.input[source]]
+                        for out, source in OUTPUTS_TYPED_AS_INPUTS[node.op_type].items()
+                        if out < len(node.output) and node.output[out]
+                        and source < len(node.input) and node.input[source] in known}
+        elif not all(i in known for i in node.input if i):
+            continue
+        elif domain == MS_DOMAIN and node.op_type == "FusedMatMul":
             inferred = _fused_matmul_type(node, known)
         elif domain == STANDARD_DOMAIN and node.op_type not in OPS_WITH_SUBGRAPHS[""]:
             try:

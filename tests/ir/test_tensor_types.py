@@ -60,3 +60,54 @@ def test_input_shapes_are_substituted_without_changing_the_model():
     assert model.SerializeToString() == before
     symbolic = infer_types(model)
     assert symbolic["z"].tensor_type.shape.dim[0].dim_param == "n"
+
+
+def _mqa_training_graph():
+    from graphopt.examples.mqa import MqaConfig, build_mqa_model
+    from graphopt.trainer import build
+
+    config = MqaConfig(vocab=56)
+    graph = build(build_mqa_model(config), loss="cross_entropy", labels="labels")
+    return config, graph
+
+
+def test_every_type_stated_for_a_training_graph_is_the_shape_its_run_produces():
+    """The backward pass's com.microsoft gradient ops (SoftmaxCrossEntropyLossGrad,
+    SoftmaxGrad_13, LayerNormalizationGrad) are typed as the forward tensors they
+    differentiate, and so is what comes after them: each stated dim is the one the executor's
+    run makes, and each of those ops' outputs has a stated rank."""
+    from graphopt.executor import Session
+
+    config, graph = _mqa_training_graph()
+    batch = 4
+    ids = np.random.default_rng(0).integers(0, config.vocab, (batch, config.seq))
+    shapes = {"input_ids": list(ids.shape), "labels": list(ids.shape)}
+    found = infer_types(graph.proto, shapes)
+    produced = {}
+
+    def on_step(index, node, outputs):
+        for name, value in zip(node.outputs, outputs, strict=False):
+            if name and value is not None:
+                produced[name] = value.shape
+
+    feeds = {"input_ids": ids, "labels": np.roll(ids, -1, axis=1), **graph.initial}
+    Session(graph.proto, device="cpu").run(feeds, graph.losses, on_step=on_step)
+    compared = 0
+    for name, shape in produced.items():
+        type_proto = found.get(name)
+        if type_proto is None or not type_proto.tensor_type.HasField("shape"):
+            continue
+        dims = type_proto.tensor_type.shape.dim
+        assert len(dims) == len(shape), name
+        for dim, size in zip(dims, shape, strict=True):
+            if dim.HasField("dim_value"):
+                assert dim.dim_value == size, (name, dims, shape)
+        compared += 1
+    gradient_ops = {"SoftmaxCrossEntropyLossGrad", "SoftmaxGrad_13", "LayerNormalizationGrad"}
+    outputs = [o for n in graph.proto.graph.node if n.op_type in gradient_ops
+               for o in n.output if o]
+    assert {n.op_type for n in graph.proto.graph.node} & gradient_ops == gradient_ops
+    untyped = [o for o in outputs if o not in found
+               or not found[o].tensor_type.HasField("shape")]
+    assert not untyped
+    assert compared > len(produced) // 2
