@@ -1,4 +1,4 @@
-"""What every benchmark here shares: the method of issue 15 and its section of RESULTS.md.
+"""What every benchmark here shares: the timing method and its section of RESULTS.md.
 
 The method: each runtime is timed in a process of its own (thread pools of two runtimes in
 one process steal each other's cores), after a warm-up, and reported as the median and the
@@ -144,7 +144,7 @@ def rss_mb() -> float:
 
 
 def command_line(script: str, argv: list[str] | None) -> str:
-    """The exact command to rerun this benchmark as issue 15's method asks."""
+    """The exact command to rerun this benchmark as the method asks."""
     args = argv if argv is not None else sys.argv[1:]
     unset = " ".join(f"-u {v}" for v in BLAS_VARS)
     # thread limits change the figures: a run made with one says so

@@ -1,4 +1,4 @@
-"""Data-parallel scaling of ``graphopt run --distributed`` (issue 8): steps per second on 1, 2,
+"""Data-parallel scaling of ``graphopt run --distributed``: steps per second on 1, 2,
 4 and 8 ranks here (as many as there are cores), the measured all-reduce cost, and a
 communication model projecting to 8, 64 and 512 GPUs. Writes its section of bench/RESULTS.md
 and prints a paragraph for the README.
@@ -31,7 +31,7 @@ import time
 import numpy as np
 from _common import bench_env, command_line, machine, write_section
 
-SECTION = "Data-parallel training (issue 8)"
+SECTION = "Data-parallel training"
 CONFIGS = {  # name: (MqaConfig overrides, per-rank batch)
     "mqa-example": (dict(), 16),
     "mqa-wide": (dict(seq=64, hidden=512, heads=8, mlp=2048), 4),

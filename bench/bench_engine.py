@@ -1,4 +1,4 @@
-"""Rewrite engine vs onnxscript's rewriter on a chain of N blocks (issue 2).
+"""Rewrite engine vs onnxscript's rewriter on a chain of N blocks.
 
 Each block is MatMul(x, Transpose(W)) -> Mul(scalar) -> Add; both tools apply the same rule,
 MatMul(a, Transpose(b, perm=[1, 0])) -> com.microsoft FusedMatMul(a, b, transB=1).
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     table = "\n".join(lines)
     print(table)
     if not args.no_write:
-        write_section("Rewrite engine vs onnxscript (issue 2)", table)
+        write_section("Rewrite engine vs onnxscript", table)
     return 0
 
 

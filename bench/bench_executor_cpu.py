@@ -28,7 +28,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 BATCH, SEQ, HIDDEN, HEADS = 8, 256, 1024, 16
 HEAD_DIM = HIDDEN // HEADS
-SECTION = "Executor CPU: MQA block inference (issues 4, 15)"
+SECTION = "Executor CPU: MQA block inference"
 # untimed runs in each process first: the executor's first runs after start-up take up to 1.6x
 # its steady time (230-270 ms for the first four timed runs after two warm-ups, then 155-185):
 # NumPy asks for huge pages for its 33 MB tensors and the kernel compacts memory for them,

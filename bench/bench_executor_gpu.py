@@ -1,4 +1,4 @@
-"""Executor on the GPU (issue 4): GEMM throughput through the single GEMM entry point and one
+"""Executor on the GPU: GEMM throughput through the single GEMM entry point and one
 FP16 training step of a transformer block, each side by side with its peer in one run.
 
 - GEMM: the executor's FP16 GEMM (``executor.gemm.matmul`` with the FP16 policy in the path)
@@ -26,7 +26,7 @@ import time
 
 from _common import machine, publish
 
-SECTION = "Executor on GPU (issue 4)"
+SECTION = "Executor on GPU"
 
 
 def gpu_or_reason():

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "tests"))
 from support import hf_families  # noqa: E402
 
-SECTION = "Fused-QKV families: Split and FusedMatMul fusions, errors vs PyTorch (issue 17)"
+SECTION = "Fused-QKV families: Split and FusedMatMul fusions, errors vs PyTorch"
 
 
 def main(argv=None) -> int:

@@ -1,9 +1,9 @@
-"""FP16 GEMM throughput of the numerics implementations (issue 5).
+"""FP16 GEMM throughput of the numerics implementations.
 
 GPU (default): square FP16 GEMMs at 4096 and 8192 on CuPy; TFLOP/s of plain
 ``cupy.matmul``, the alternate path (BF16 gemmEx, truncation and RNZ conversion) and the
 emulated MI200 original (flush, matmul, flush); each as a ratio of ``cupy.matmul``
-(target >= 85%). Writes the section "## FP16 GEMM on GPU (issue 5)" of bench/RESULTS.md.
+(target >= 85%). Writes its section of bench/RESULTS.md (see SECTION).
 Without CuPy or a device it says so and exits 0.
 
 CPU (``--cpu``): the NumPy implementations at small sizes, to show what the emulation costs
@@ -23,7 +23,7 @@ import time
 import numpy as np
 from _common import RESULTS, write_section
 
-SECTION = "FP16 GEMM on GPU (issue 5)"
+SECTION = "FP16 GEMM on GPU"
 TARGET_RATIO = 0.85
 
 

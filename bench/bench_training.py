@@ -34,7 +34,7 @@ from graphopt.examples.mqa import MqaConfig, build_mqa_model
 from graphopt.executor import Session
 from graphopt.trainer import build
 
-SECTION = "Training step: Split fusion (issue 6)"
+SECTION = "Training step: Split fusion"
 CONFIGS = [  # (label, model config, batch)
     ("`--example mqa` defaults", MqaConfig(vocab=56), 32),
     ("wider (hidden 256, 8 heads, seq 128)", MqaConfig(vocab=56, seq=128, hidden=256, heads=8,

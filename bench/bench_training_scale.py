@@ -43,7 +43,7 @@ step. AdamW as `torch.optim.AdamW`'s defaults (betas 0.9/0.999, eps 1e-8, weight
 graphopt's adamw default too), lr 1e-4.
 
 Steps: `--steps` (default 10 for models under 500M parameters, 4 for larger): the first is the
-warm-up, the median and the minimum of the others are reported (issue 15's method: at least 9
+warm-up, the median and the minimum of the others are reported (the benchmarks' method: at least 9
 timed runs, or 3 where a run takes over 10 s; a run with fewer says so). Peak RSS: `/usr/bin/
 time -v`'s maximum resident set of each process, from start to exit (MB = 10^6 bytes); the
 PyTorch child's VmHWM is printed too. A run that fails, runs past `--timeout` (default 3600 s)
@@ -53,11 +53,11 @@ Falcon's dynamo export keeps the rotary embedding's `inv_freq` buffer as an init
 graphopt takes for a weight (and has no gradient of Sin/Cos for): `--graphopt-args "--freeze
 *inv_freq"` trains what PyTorch trains there.
 
-Targets (issue): graphopt's peak RSS <= 1.1x PyTorch's; its median step <= PyTorch's
+Targets: graphopt's peak RSS <= 1.1x PyTorch's; its median step <= PyTorch's
 (falcon-118m and gpt2-124m only); SGD: losses equal to 1e-5 (absolute) over the first 5 steps;
 AdamW: the first step's loss equal to 1e-5, the later ones within 1e-3 relative.
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE /work/benchvenv/bin/python \\
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python \\
         bench/bench_training_scale.py [--models falcon-118m gpt2-124m falcon-1.1b] \\
         [--exports ts dynamo] [--optimizer sgd adamw] [--batch B] [--seq 128] [--steps N] \\
         [--lr LR] [--graphopt-args "--untie"] [--no-perturb] [--timeout 3600] \\
@@ -521,7 +521,7 @@ def targets(model: str, optimizer: str, ours: Side, torch: Side
 
 
 def runs_note(side: Side) -> str:
-    """Where a side's timed steps fall short of the method (issue 15)."""
+    """Where a side's timed steps fall short of the method (bench/_common.py)."""
     if not side.ok or not side.seconds:
         return ""
     need = LONG_RUNS if side.seconds[0] > LONG_RUN_S else MIN_RUNS

@@ -37,7 +37,7 @@ from _common import (
 
 from graphopt.examples.mqa import MqaConfig, build_mqa_model
 
-SECTION = "Training step vs PyTorch eager (issue 15)"
+SECTION = "Training step vs PyTorch eager"
 CONFIGS = {  # name: (label, model config, batch)
     "defaults": ("`--example mqa` defaults (hidden 64, 4 heads, seq 32, mlp 128)",
                  MqaConfig(vocab=56), 32),
@@ -45,7 +45,7 @@ CONFIGS = {  # name: (label, model config, batch)
               MqaConfig(vocab=56, seq=128, hidden=256, heads=8, mlp=1024), 8),
 }
 TARGETS = {"defaults": 1.5, "wider": 1.1}
-PRODUCTS_SECTION = "Training step's matrix products: NumPy's BLAS vs PyTorch's (issue 15)"
+PRODUCTS_SECTION = "Training step's matrix products: NumPy's BLAS vs PyTorch's"
 
 
 def product_shapes(cfg: MqaConfig, batch: int) -> dict[str, tuple[int, int, int, int]]:

@@ -1,4 +1,4 @@
-"""One BLAS thread for small products (issue 15).
+"""One BLAS thread for small products.
 
 OpenBLAS threads every GEMM above a tiny size (64x64x64). For the mid-size products of a
 small training step (a few MFLOP) the second thread saves microseconds at best and costs a

@@ -1,4 +1,4 @@
-"""Keep the host memory a NumPy run frees for the next run (issue 15).
+"""Keep the host memory a NumPy run frees for the next run.
 
 glibc's malloc serves a block above its mmap threshold with a fresh ``mmap`` and unmaps it on
 ``free``, and gives the free memory at the top of its heap back to the kernel once it exceeds

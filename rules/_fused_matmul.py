@@ -1,4 +1,4 @@
-"""What FusedMatMul can express, shared by the FusedMatMul fusions (DESIGN 3.3).
+"""What FusedMatMul can express, shared by the FusedMatMul fusions.
 
 FusedMatMul applies, to each input, ``transBatch`` (move dim 0 to just before the last dim)
 and then ``trans`` (swap the last two dims). A Transpose feeding it can be absorbed when

@@ -1,4 +1,4 @@
-"""Device->host copies per training step on a real GPU (issue 16), for scripts/gpu_checks.sh.
+"""Device->host copies per training step on a real GPU, for scripts/gpu_checks.sh.
 
 The data-parallel trainer with device buckets (the NCCL path's bucket handling, summed over one
 rank in process: no MPI, no NCCL needed) trains the mlp fixture in mixed precision on CuPy.

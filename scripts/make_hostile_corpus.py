@@ -368,9 +368,10 @@ def _run_input(dims=("N", 2, 4)):
 
 
 def _training_state_cases(corpus: Corpus) -> None:
-    """Issue 12, item 14: inputs that made graphopt print a traceback or two lines. Cases
-    marked ``commands: ["run"]`` are valid models that only ``graphopt run`` must refuse
-    (optimize rewrites them as it should)."""
+    """Inputs on which graphopt must print one error line, never a traceback or a second line
+    (NUL bytes in external data locations, a local function's Constant in external data, models
+    ``run`` cannot train). Cases marked ``commands: ["run"]`` are valid models that only
+    ``graphopt run`` must refuse (optimize rewrites them as it should)."""
     corpus.add("external_location_nul_byte", "external data location 'w\\0.bin' (a NUL byte)",
                _external("w\0.bin"), extra={"w.bin": b"\0" * 64})
     nul = _external("w.bin")
@@ -421,7 +422,7 @@ def _npz_bomb(name: str, elements: int) -> bytes:
 
 
 def add_memory_and_result_traps(corpus: Corpus) -> None:
-    """Issue 12, items 8-13: tiny models whose constants would fold to gigabytes, a
+    """Memory and result traps: tiny models whose constants would fold to gigabytes, a
     FusedMatMul whose output the memory guard must count, a second YieldOp hidden in an If
     branch, an If branch reading a tensor a rewrite removes, a sparse initializer named like
     a generated constant, and value_info that lies about the axis the Split fusion splits."""

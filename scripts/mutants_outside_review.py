@@ -1,4 +1,4 @@
-"""An outside reviewer's mutants (issue 18): written from the README's promises and the code
+"""An outside reviewer's mutants: written from the README's promises and the code
 that carries them, without reading the built-in list in mutation_check.py.
 
     python scripts/mutation_check.py --mutants scripts/mutants_outside_review.py

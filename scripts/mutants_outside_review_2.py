@@ -1,4 +1,4 @@
-"""A second outside reviewer's mutants (issue 18): 20 small, plausible bugs written from the
+"""A second outside reviewer's mutants: 20 small, plausible bugs written from the
 README's promises and the code that carries them, without reading the other MUTANTS lists.
 
 Run: python scripts/mutation_check.py --mutants scripts/mutants_outside_review_2.py

@@ -1,4 +1,4 @@
-"""bench/_common.py enforces issue 15's publishing rule: a section is written to RESULTS.md
+"""bench/_common.py enforces the benchmarks' publishing rule: a section is written to RESULTS.md
 only when the load average was at most 1 per core and the OpenBLAS overrides were unset."""
 
 import importlib.util

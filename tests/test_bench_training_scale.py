@@ -1,5 +1,5 @@
 """bench/bench_training_scale.py without torch: which runs it makes, how it reads graphopt's
-output, and how it judges the issue's targets."""
+output, and how it judges its targets."""
 
 import importlib
 import sys

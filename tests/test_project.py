@@ -77,8 +77,9 @@ def test_readme_quick_start_is_two_commands_and_ci_runs_the_test_one():
 
 
 def test_user_docs_name_no_machine_specific_paths():
-    docs = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), ROOT / "bench" / "RESULTS.md",
-            ROOT / "tests" / "fixtures" / "README.md", *(ROOT / "scripts").glob("*.py")]
+    docs = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *(ROOT / "docs").glob("*.md"),
+            ROOT / "bench" / "RESULTS.md", ROOT / "tests" / "fixtures" / "README.md",
+            *(ROOT / "scripts").glob("*.py")]
     found = [f"{path.relative_to(ROOT)}: {match.group(0)}" for path in docs if path.exists()
              for match in re.finditer(r"(/work/|/home/|/root/|/Users/)\S*", path.read_text())]
     assert not found, found

@@ -84,7 +84,7 @@ class RunOptions:
     clip_grad_norm: float | None = None   # clip the gradients' global L2 norm to this
     eval_data: str | None = None          # .npz of held-out data: its loss is logged, plotted
     eval_every: int | None = None         # steps between evaluations (None: every epoch)
-    # data parallel (issue 8; see .distributed): None means the default
+    # data parallel (see .distributed): None means the default
     distributed: bool = False
     bucket_mb: float | None = None        # MiB per gradient all-reduce bucket (25)
     dist_timeout: float | None = None     # seconds a collective may wait (300)
@@ -691,7 +691,7 @@ def _denormal_report(target: str, session: Session, say,
 
 
 def _kernel_words(session) -> str:
-    """What the CPU's float32 row and activation kernels run on (see the README)."""
+    """What the CPU's float32 row and activation kernels run on (see docs/executor.md)."""
     if session.device != "cpu":
         return ""
     return f" (float32 row kernels: {describe_compiled_kernels()})"

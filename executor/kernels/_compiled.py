@@ -1,4 +1,4 @@
-"""Compiled float32 kernels for the NumPy backend's row and activation passes (issue 15).
+"""Compiled float32 kernels for the NumPy backend's row and activation passes.
 
 NumPy computes a softmax, a LayerNorm or a GELU as a sequence of whole-array passes, and its
 float32 ``exp`` is not vectorised for AVX2 in the wheels this project measures (about 3 ns an

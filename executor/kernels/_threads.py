@@ -1,4 +1,4 @@
-"""Row-parallel loops for large NumPy kernels (issue 15).
+"""Row-parallel loops for large NumPy kernels.
 
 NumPy releases the GIL inside ufunc loops and reductions, so the halves of a large array
 can be processed on two cores at once; BLAS already threads the GEMMs, this does the same
@@ -44,7 +44,7 @@ def run_split(fn, rows: int, parts: int) -> None:
     The rows are cut into PIECES_PER_PART pieces per part that the threads take in turn,
     and the caller never waits for a pool thread that has not started: on a machine whose
     other cores are busy the caller does every piece itself (as fast as no split) instead
-    of waiting for a thread the scheduler has not run (issue 15). Each row is processed by
+    of waiting for a thread the scheduler has not run. Each row is processed by
     one call of ``fn`` whatever the cut, so results do not depend on it."""
     if parts <= 1:
         fn(0, rows)

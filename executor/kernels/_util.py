@@ -37,7 +37,7 @@ def broadcast_shape(a: tuple, b: tuple) -> tuple:
 
 def row_sums(xp, x2d):
     """Sums of the rows of a 2-D float32/float64 array: einsum's, on NumPy 3-4x faster than
-    a reduction along short rows (1024 rows of 64: 16 us against 58 us, issue 15), and,
+    a reduction along short rows (1024 rows of 64: 16 us against 58 us), and,
     unlike a GEMV's, each row's bits independent of the rows beside it. The same call on
     every backend, so that a GPU computes what NumPy computes."""
     return xp.einsum("ij->i", x2d)
@@ -114,7 +114,7 @@ def column_sums(xp, x2d):
 def row_dots(xp, a2d, b2d):
     """``row_sums(xp, a2d * b2d)`` without the product's temporary: einsum multiplies and adds
     in one pass (float32, one core: 1024 rows of 64: 23 us against 31; of 256: 68 against
-    92; issue 15)."""
+    92)."""
     return xp.einsum("ij,ij->i", a2d, b2d)
 
 
@@ -141,7 +141,8 @@ def summed_by_rows(dtype) -> bool:
     return dtype in (np.float32, np.float64)
 
 
-# float32 erf (issue 15): erf(x) ~= x * P(x^2) / Q(x^2) on |x| <= _ERF32_CLAMP, Q monic,
+# float32 erf, faster than the float64 formula:
+# erf(x) ~= x * P(x^2) / Q(x^2) on |x| <= _ERF32_CLAMP, Q monic,
 # coefficients lowest degree first, fitted by scripts/fit_erf32.py (which prints these); beyond
 # the clamp erf(x) rounds to +-1 in float32 (erfc(3.92) = 2.96e-8 < 2**-25). The fit is within
 # 3.4e-8 (relative); evaluated in float32, over every float32 (scripts/fit_erf32.py
@@ -359,7 +360,7 @@ def gelu_exact_grad(xp, x):
 def gelu_exact_grad_from_output(dy, x, y):
     """The gradient ``dy`` * gelu'(x) of exact GeLU at the NumPy float32 ``x`` from ``y``, the
     float32 GeLU this module computed of the same x (gelu_exact): Phi(x) = y / x, so none of
-    the erf's passes are repeated (issue 15: the training step's GeluGrad took 1.6 ms, most of
+    the erf's passes are repeated (the training step's GeluGrad took 1.6 ms, most of
     it the erf); ``dy``: float32 of x's shape. gelu'(x) is within 3e-7 absolute of the exact
     derivative (tests/executor/test_erf_float32.py)."""
     compiled = compiled_kernels(np, x.dtype, x.size)

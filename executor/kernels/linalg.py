@@ -34,7 +34,7 @@ def gemm_op(ctx, node, a, b, c=None):
 
 
 def fused_matmul_operand(x, trans_batch: int, trans: int):
-    """The operand as FusedMatMul multiplies it (DESIGN 3.3; the axes from graphopt's type
+    """The operand as FusedMatMul multiplies it (the axes from graphopt's type
     service, the one statement of the flags); flags on a rank-1 operand are ignored."""
     if x.ndim < 2:
         return x

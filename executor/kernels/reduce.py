@@ -62,7 +62,7 @@ def reduce_sum(xp, x, axes, keepdims):
             and axes == tuple(range(axes[0], axes[0] + len(axes)))
             and (axes[0] == 0 or axes[-1] == x.ndim - 1)):
         # leading or trailing axes (a bias gradient, a row sum): einsum on the
-        # 2-D view, not NumPy's reduction (per-row overhead for short rows, issue 15)
+        # 2-D view, not NumPy's reduction (per-row overhead for short rows)
         kept = [n for i, n in enumerate(x.shape) if i not in axes]
         if axes[0] == 0:
             sums = column_sums(xp, x.reshape(-1, math.prod(kept)))

@@ -1,4 +1,4 @@
-"""FP16 numerics policy (issue 5): MI200 denormal flushing and the BF16 alternate GEMM/conv.
+"""FP16 numerics policy: MI200 denormal flushing and the BF16 alternate GEMM/conv.
 
 Modules:
   guard      BackwardPassGuard (thread-local, nesting-safe)

@@ -116,7 +116,8 @@ def build_training_graph(model: onnx.ModelProto | TrainingGraph | str | os.PathL
     new_initializers = emitter.live_initializers(backward)
     # Keep the forward nodes the module outputs need (the gradient formulas only read their
     # tensors). Branches of dropped outputs go: they would not be YieldOp ancestors, and
-    # the backward-pass marking (DESIGN 3.2) would take them for backward nodes.
+    # the backward-pass marking (YieldOp and every node not its ancestor) would take them
+    # for backward nodes.
     reads = external_inputs(backward, new_initializers) - set(yield_outputs)
     forward = ancestors(list(graph.node), head.module_outputs + sorted(reads))
     del graph.node[:]

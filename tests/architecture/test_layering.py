@@ -1,4 +1,4 @@
-"""Who may import whom: the layer map of the README's Development section, read from the
+"""Who may import whom: the layer map of CONTRIBUTING.md's code map, read from the
 source (every import statement, lazy ones inside functions included), so an import that
 breaks a layer fails here and names the file.
 

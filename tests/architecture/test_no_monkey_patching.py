@@ -1,4 +1,4 @@
-"""No monkey-patching (issue 13, item 3; a house rule): the runtime (``executor/``), the
+"""No monkey-patching (a house rule): the runtime (``executor/``), the
 application (``trainer/``), the optimizer (``graphopt/``, ``rules/``) and ``cli.py`` change only
 what they own. A static scan of every module flags
 

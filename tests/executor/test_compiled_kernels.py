@@ -1,4 +1,4 @@
-"""The compiled float32 kernels (issue 15): each against float64 and against the NumPy passes
+"""The compiled float32 kernels: each against float64 and against the NumPy passes
 it replaces, in place and out of place, at the edges (NaN, infinities, masked -inf scores,
 underflow), in every thread block; and the gate that decides when they run."""
 

@@ -1,4 +1,4 @@
-"""Device->host copies per training step, counted without a GPU (issue 16).
+"""Device->host copies per training step, counted without a GPU.
 
 The training loop runs on ``ArrayBackend("cuda", RecordingXp(device_arrays=True))``: the GPU
 branches of the executor, the trainer and the data-parallel reducer, on NumPy arrays that

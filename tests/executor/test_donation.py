@@ -1,4 +1,4 @@
-"""Session.run lets in-place kernels write into an input that dies at their node (issue 15).
+"""Session.run lets in-place kernels write into an input that dies at their node.
 Only arrays nothing else can see may be overwritten: not a feed, an initializer, a fetched
 tensor, nor the base of a view that is still live."""
 

@@ -1,4 +1,4 @@
-"""The NumPy executor's float32 erf (executor/kernels/_util.py, issue 15) is a rational fit
+"""The NumPy executor's float32 erf (executor/kernels/_util.py) is a rational fit
 evaluated in float32; its error is measured here against math.erf in float64 on a dense sweep,
 random bit patterns and edge values, and pinned: the bounds are the measured maxima rounded up
 by a little, so a perturbed coefficient (or evaluation order) fails them. GELU and its

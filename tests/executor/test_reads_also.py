@@ -1,5 +1,5 @@
 """Kernels that read an earlier result of the same run (KernelSpec.reads_also): GeluGrad and
-BiasGeluGrad_dX take the forward's GeLU output instead of computing the erf again (issue 15).
+BiasGeluGrad_dX take the forward's GeLU output instead of computing the erf again.
 The plan chooses it, keeps it alive until the gradient has run, and the gradient agrees with
 the one computed from x alone."""
 

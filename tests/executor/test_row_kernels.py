@@ -1,4 +1,4 @@
-"""The NumPy fast paths of the small training kernels (issue 15): LayerNormalization and its
+"""The NumPy fast paths of the small training kernels: LayerNormalization and its
 gradient, SoftmaxGrad, SoftmaxCrossEntropyLoss and its gradient, ReduceSum. Each is checked
 against float64 formulas written here, on the shapes it takes and on those it must leave to
 the general path (parameters that broadcast, non-trailing axes, wide-spread scores, ignored

@@ -1,5 +1,5 @@
 """On NumPy, scatter_rows applies wide rows in rounds (faster than ufunc.at for an embedding
-gradient, issue 15) and narrow ones with ufunc.at; either way the bits are ufunc.at's."""
+gradient) and narrow ones with ufunc.at; either way the bits are ufunc.at's."""
 
 import subprocess
 import sys

@@ -1,7 +1,12 @@
-"""Issue 12, items 1-7 and 20: nothing a user owns is destroyed, no file makes graphopt
-block or read what it should not, files get the permissions any other tool would give.
+"""Nothing a user owns is destroyed, no file makes graphopt block or read what it should not,
+files get the permissions any other tool would give.
 
-Each test is named after the item it pins and fails on the code before the fix."""
+Test names carry the number of the promise they pin: 01 no output onto an input or another
+output, 02 data files other models use are kept, 03 concurrent saves publish whole pairs, 04
+a killed run's temporaries are cleaned up, 05 a symlink swapped in after the checks is not
+read, 06 FIFOs and devices are refused, 07 functions' and sparse external data is handled
+like any other, 20 file modes are what any other tool gives (the umask; an in-place write
+keeps the original's mode)."""
 from __future__ import annotations
 
 import os

@@ -1,6 +1,11 @@
-"""Issue 12, items 8-13: inputs that made graphopt eat the machine (constant folding, the
-executor's memory guard, --data archives) or write a wrong model (rolled-back rewrites,
-lying value_info, a second YieldOp in a branch). One regression test per item."""
+"""Inputs that could make graphopt eat the machine (constant folding, the executor's memory
+guard, --data archives) or write a wrong model (rolled-back rewrites, lying value_info, a
+second YieldOp in a branch): each is bounded or refused.
+
+Test names carry the number of the promise they pin (``test_item08_...`` to ``item13``):
+08 constant folding checks sizes first, 09 the memory guard counts every output, 10 --data
+reads only what the graph needs, 11 a written model is a valid one, 12 the Split fusion does
+not trust value_info, 13 a second YieldOp is refused."""
 from __future__ import annotations
 
 import json

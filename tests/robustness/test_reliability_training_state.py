@@ -1,8 +1,10 @@
-"""Issue 12, items 14-19: `graphopt run` says what is wrong in one line (never a traceback, never
-a numpy warning first), refuses a checkpoint it did not write for this training graph, and
-keeps its checkpoint folder safe from a second Ctrl-C, SIGTERM and a second run.
+"""`graphopt run` says what is wrong in one line (never a traceback, never a numpy warning
+first), refuses a checkpoint it did not write for this training graph, and keeps its
+checkpoint folder safe from a second Ctrl-C, SIGTERM and a second run.
 
-Each test is named after the item it pins; each failed on the code before its fix.
+Test names carry the number of the promise they pin: 14 one error line, 15 a checkpoint of
+another graph is refused, 16 every checkpoint field is validated, 17 a second Ctrl-C, 18
+SIGTERM, 19 one run per checkpoint folder.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`graphopt run` under faults (issue 7): killed while training and checkpointing, a disk that
+"""`graphopt run` under faults: killed while training and checkpointing, a disk that
 fills up during a checkpoint save, and NaN/Inf in the loss or the gradients.
 
 - SIGKILL at random steps and inside checkpoint writes (with --checkpoint-every 1), then

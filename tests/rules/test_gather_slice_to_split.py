@@ -1,4 +1,4 @@
-"""gather_slice_to_split: DESIGN 3.1 (ONNX Runtime GatherSliceToSplitFusion, current form)."""
+"""gather_slice_to_split: ONNX Runtime's GatherSliceToSplitFusion, in its current form."""
 from __future__ import annotations
 
 import numpy as np
@@ -465,7 +465,7 @@ def test_gather_with_two_indices_changes_nothing():
 
 @pytest.mark.parametrize("read_inside", [False, True])
 def test_gather_index_of_shape_1_1_changes_nothing(read_inside):
-    """DESIGN 3.1: scalar or shape [1] only; [1, 1] adds a dimension (it used to be fused
+    """A Gather index fuses as a scalar or of shape [1] only; [1, 1] adds a dimension (it was fused
     and rolled back, or, read by another node, broke the whole-model check)."""
     body = TILED.replace("i1 = Constant <value = int64[1] {4}>",
                          "i1 = Constant <value = int64[1,1] {4}>")

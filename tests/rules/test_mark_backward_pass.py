@@ -1,4 +1,4 @@
-"""mark_backward_pass (DESIGN 3.2): YieldOp and every node that is not an ancestor of it get
+"""mark_backward_pass: YieldOp and every node that is not an ancestor of it get
 __backwardpass=1; FusedMatMul fusions carry the attribute over (sticky provenance)."""
 from __future__ import annotations
 
@@ -140,7 +140,7 @@ def test_constant_nodes_in_the_backward_part_stay_unmarked():
 
 
 def test_forward_node_feeding_only_the_backward_part_counts_as_backward():
-    """DESIGN 3.2: "backward" is "YieldOp and every node that is not an ancestor of YieldOp",
+    """The backward part is "YieldOp and every node that is not an ancestor of YieldOp",
     independent of node order. Transpose(x) stands before YieldOp in the node list and reads
     only the graph input, but nothing of the loss depends on it, so it is marked; ORT's
     topological-order definition would depend on where its sort puts it."""
@@ -321,7 +321,7 @@ def test_subgraph_of_a_graph_without_yieldop_is_unchanged():
 
 def test_subgraphs_are_handled_on_their_own():
     """An If in the backward part is marked; its branches have no YieldOp of their own, so
-    their nodes are not (DESIGN 3.2: subgraphs are handled on their own). An If in the
+    their nodes are not (subgraphs are handled on their own). An If in the
     forward part stays unmarked, and so do its branches."""
     extra = [_if_node("bw_if", "flag", "g_x", "g_if"),
              _if_node("fw_if", "flag", "mm1", "f_if"),

@@ -1,4 +1,4 @@
-"""matmul_transpose_to_fused_matmul: Transposes FusedMatMul can express (DESIGN 3.3)."""
+"""matmul_transpose_to_fused_matmul: Transposes FusedMatMul can express."""
 from __future__ import annotations
 
 import itertools

@@ -1,4 +1,4 @@
-"""AdamW's host step for float32 weights updates all of them as one flat array (issue 15):
+"""AdamW's host step for float32 weights updates all of them as one flat array:
 it must give the bits of the update weight by weight, keep one slot array per weight for
 checkpoints, and take back slots loaded from one."""
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Issue 5 on real data: the MQA character LM trained in mixed precision without loss
-scaling under emulated MI200 numerics.
+"""MI200's FP16 denormal flushing on a real training run: the MQA character LM trained in mixed
+precision without loss scaling under emulated MI200 numerics stalls when the backward GEMMs
+take the original (flushing) path and matches FP32 when they take the alternate one.
 
 Why it fails with ROCBLAS_INTERNAL_FP16_ALT_IMPL=0: the loss is the mean over
 32 x 32 = 1024 tokens, so the logits' gradient (softmax - onehot) / 1024 is about

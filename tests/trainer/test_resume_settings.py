@@ -33,7 +33,7 @@ def test_bare_resume_continues_the_saved_run_exactly(tmp_path):
     first = invoke(MLP, "--data", data, *SETTINGS, "--steps", "3",
                    "--checkpoint", tmp_path / "ck")
     assert first.exit_code == 0, first.output
-    # the README's line: only the model, the data, the checkpoint and the new length
+    # docs/training.md's promise: only the model, the data, the checkpoint and the new length
     resumed = invoke(MLP, "--data", data, "--checkpoint", tmp_path / "ck", "--resume",
                      "--steps", "6", "-o", tmp_path / "resumed.onnx")
     assert resumed.exit_code == 0, resumed.output

@@ -1,6 +1,6 @@
 """`graphopt run` trains what the training graph says it trains, not what its output names
 suggest: a model whose own tensor is called ``W_grad`` gets the gradient output ``W_grad_1``
-and is still trained (issue 13, item 1)."""
+and is still trained."""
 from __future__ import annotations
 
 import numpy as np

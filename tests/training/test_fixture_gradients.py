@@ -124,7 +124,7 @@ def test_rewrite_rules_keep_the_gradients_and_mark_the_backward_pass():
     def marked(n):
         return any(a.name == "__backwardpass" and a.i == 1 for a in n.attribute)
 
-    forward = ancestors(nodes, nodes[position].input)  # DESIGN 3.2: the unmarked nodes
+    forward = ancestors(nodes, nodes[position].input)  # YieldOp's ancestors: the unmarked nodes
     assert forward and not any(marked(n) for n in forward)
     assert all(marked(n) for n in nodes[position:])
     feeds = {"hidden_states": data["hidden_states"], "output_grad": data["grad_output"]}

@@ -1,4 +1,4 @@
-"""Data-parallel training behind ``graphopt run --distributed`` (issue 8).
+"""Data-parallel training behind ``graphopt run --distributed``.
 
 Launch N copies with ``mpirun -n N`` / ``mpiexec -n N`` / ``srun``; every copy reads its rank
 and the world size from MPI itself (``MPI.COMM_WORLD``), never from launcher variables.

@@ -1,4 +1,4 @@
-"""The emulated alternate's BF16 conversion of weights, cached per WeightGeneration (issue 16).
+"""The emulated alternate's BF16 conversion of weights, cached per WeightGeneration.
 
 ``CupyFp16Gemm`` runs on the CPU here: a stand-in module whose conversion kernel is the host
 reference (counted per call) and a subclass whose BLAS product is NumPy's on the BF16 values.

@@ -1,4 +1,4 @@
-"""Data-parallel ``graphopt run --distributed`` (issue 8), run for real: 2 ranks on CPU under
+"""Data-parallel ``graphopt run --distributed``, run for real: 2 ranks on CPU under
 ``mpiexec`` (the mpich wheel's) in subprocesses, plus in-process unit tests of the pieces
 that need no MPI (sharding, bucket planning)."""
 from __future__ import annotations
