@@ -145,29 +145,71 @@ def rss_mb() -> float:
 
 def command_line(script: str, argv: list[str] | None) -> str:
     """The exact command to rerun this benchmark as the method asks."""
-    args = argv if argv is not None else sys.argv[1:]
+    args = list(argv if argv is not None else sys.argv[1:])
+    # where a run keeps its files or finds an interpreter changes no figure, and names a
+    # folder of one machine: the command leaves those options out
+    args = _without_options(args, LOCATION_OPTIONS)
     unset = " ".join(f"-u {v}" for v in BLAS_VARS)
     # thread limits change the figures: a run made with one says so
     limits = [f"{v}={os.environ[v]}" for v in THREAD_VARS if v in os.environ]
     return " ".join(["env", unset, *limits, "python", f"bench/{script}", *args]).strip()
 
 
+LOCATION_OPTIONS = ("--cache", "--graphopt-python")
+
+
+def _without_options(args: list[str], options: tuple[str, ...]) -> list[str]:
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in options:
+            skip = True
+        elif not any(arg.startswith(option + "=") for option in options):
+            kept.append(arg)
+    return kept
+
+
 def machine() -> str:
     return f"{platform.machine()}, {CORES} cores, Python {platform.python_version()}"
 
 
-def method_lines(load_after: float | None = None) -> list[str]:
+def settle(limit_s: float = 240.0, poll_s: float = 5.0) -> float:
+    """The 1-minute load average once it is at most 1 per core, waited for up to ``limit_s``:
+    a benchmark whose runs keep every core busy starts each run once its previous run has
+    decayed out of the average, so that what a run's start records is load from elsewhere.
+    Returns the load at the start (above 1 per core if it never settled)."""
+    deadline = time.monotonic() + limit_s
+    load = os.getloadavg()[0]
+    while load > CORES and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        load = os.getloadavg()[0]
+    return load
+
+
+def method_lines(load_after: float | None = None,
+                 start_loads: list[float] | None = None) -> list[str]:
     after = os.getloadavg()[0] if load_after is None else load_after
-    return [f"Load average (1 min): {LOAD_BEFORE:.2f} before, {after:.2f} after "
+    starts = (f", at most {max(start_loads):.2f} at a timed process's start"
+              if start_loads else "")
+    return [f"Load average (1 min): {LOAD_BEFORE:.2f} before, {after:.2f} after{starts} "
             f"({CORES} cores); BLAS: {blas_kernel()}."]
 
 
-def publish_refusal(load_after: float) -> str | None:
-    """Why a figure taken now must not be written to RESULTS.md, or None."""
+def publish_refusal(load_after: float, start_loads: list[float] | None = None) -> str | None:
+    """Why a figure taken now must not be written to RESULTS.md, or None. With
+    ``start_loads`` (each timed process's start, see ``settle``) those count instead of the
+    load after the last run, which the benchmark's own processes make."""
     overrides = [v for v in BLAS_VARS if v in os.environ]
     if overrides:
         return (f"{' and '.join(overrides)} set in this process: run it as "
                 f"`env -u {' -u '.join(BLAS_VARS)} python bench/...`")
+    if start_loads:
+        worst = max(LOAD_BEFORE, *start_loads)
+        if worst > CORES:
+            return (f"load average up to {worst:.2f} when a timed process started is above 1 "
+                    f"per core ({CORES} cores): the figures are noise from other processes")
+        return None
     worst = max(LOAD_BEFORE, load_after)
     if worst > CORES:
         return (f"load average {LOAD_BEFORE:.2f} before, {load_after:.2f} after is above 1 per "
@@ -175,13 +217,14 @@ def publish_refusal(load_after: float) -> str | None:
     return None
 
 
-def write_section(title: str, body: str, path: Path = RESULTS) -> None:
+def write_section(title: str, body: str, path: Path = RESULTS,
+                  start_loads: list[float] | None = None) -> None:
     """Replace (or append) one '## title' section of RESULTS.md, leaving the others alone;
     the load average and the BLAS kernel are appended. Refused (exit status 3, nothing
     written) when the load is above 1 per core or the OpenBLAS overrides are set."""
     load_after = os.getloadavg()[0]
-    body = body.rstrip() + "\n" + "\n".join(method_lines(load_after))
-    refusal = publish_refusal(load_after)
+    body = body.rstrip() + "\n" + "\n".join(method_lines(load_after, start_loads))
+    refusal = publish_refusal(load_after, start_loads)
     if refusal:
         print(f"\nnot written to {path.name}: {refusal}", file=sys.stderr)
         raise SystemExit(3)
@@ -197,11 +240,12 @@ def write_section(title: str, body: str, path: Path = RESULTS) -> None:
     print(f"\nwritten to {path}")
 
 
-def publish(title: str, lines: list[str], write: bool) -> None:
+def publish(title: str, lines: list[str], write: bool,
+            start_loads: list[float] | None = None) -> None:
     """Print a benchmark's report and, when ``write`` (no ``--no-write``), put it in RESULTS.md
     as the '## title' section (see ``write_section`` for when that is refused)."""
     body = "\n".join(lines)
     print(body)
-    print("\n".join(method_lines()))
+    print("\n".join(method_lines(start_loads=start_loads)))
     if write:
-        write_section(title, body)
+        write_section(title, body, start_loads=start_loads)

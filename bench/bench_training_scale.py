@@ -66,7 +66,9 @@ AdamW: the first step's loss equal to 1e-5, the later ones within 1e-3 relative.
 The interpreter running it needs torch, transformers, onnx and threadpoolctl (torch and
 transformers are imported by the export and PyTorch processes only); graphopt's environment
 needs graphopt only. Writes the section "Training at model size" of bench/RESULTS.md (unless
-`--no-write`; refused on a loaded machine, see _common).
+`--no-write`; refused on a loaded machine: each timed process starts once the 1-minute load
+average is at most 1 per core, waiting up to 4 minutes for the previous one to leave it, and
+a start above that refuses the section, see _common.settle).
 """
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import MIN_RUNS, bench_env, command_line, machine, publish
+from _common import MIN_RUNS, bench_env, command_line, machine, publish, settle
 from bench_scale import (
     _FALCON,
     BATCH,
@@ -728,19 +730,22 @@ def main(argv=None) -> int:
     if args.build_only:
         return 0 if all(c.failure is None for c in cases) else 1
     results = {}
+    start_loads = []  # each process starts once the last one has left the load average
     for case in cases:
         if case.info is None:
             continue
         for optimizer in args.optimizer:
             print(f"{case.label} {optimizer}: {bench.steps(case)} steps", flush=True)
             for who, run in (("graphopt", bench.run_graphopt), ("PyTorch", bench.run_torch)):
+                start_loads.append(settle())
                 side = run(case, optimizer)
                 results.setdefault((case.label, optimizer), []).append(side)
                 what = side.failure or (f"step {_fmt_times(side)} s, peak RSS "
                                         f"{_fmt_rss(side)} MB, losses "
                                         + " ".join(f"{v:.5f}" for v in side.losses[:5]))
                 print(f"  {who}: {what}", flush=True)
-    publish(SECTION, report(args, cases, results), write=not args.no_write)
+    publish(SECTION, report(args, cases, results), write=not args.no_write,
+            start_loads=start_loads)
     return 0
 
 
