@@ -14,6 +14,7 @@ from graphopt.console import INTERRUPTED, printable
 from graphopt.errors import GraphoptError, Terminated
 from graphopt.profile import Profile
 from graphopt.registry import all_rules
+from graphopt.training.recompute import RECOMPUTE_MODES
 
 # The library's messages name its Python parameters; on the command line the same advice
 # is an option. (Python name as the library writes it, what a CLI user types instead.)
@@ -345,6 +346,10 @@ def list_rules():
 @click.option("--split-shared", is_flag=True, default=None,
               help="Give each module its own copy of a parameter the exporter merged with "
                    "others because they started equal (a fresh model's norms and biases).")
+@click.option("--recompute", type=click.Choice(RECOMPUTE_MODES), default=None,
+              help="layers: keep only what enters each transformer layer for the backward "
+                   "pass and compute the layer's activations again there (less memory, about "
+                   "a third more compute, as torch.utils.checkpoint per block); default none.")
 @click.option("--list-params", is_flag=True,
               help="Print what would be trained (and what not, and why), then exit.")
 @click.option("--disable", multiple=True, metavar="RULE", help="Do not run this rule.")
@@ -393,7 +398,7 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
         output, in_place, quiet, distributed, bucket_mb, dist_timeout, dist_check_every,
         dist_overlap, list_params, ignore_index, lr_schedule, warmup, clip_grad_norm,
         eval_data, eval_every, allow_changed_graph, class_axis, untie,
-        split_shared):
+        split_shared, recompute):
     """Train MODEL (or a built-in --example) with the graphopt executor.
 
     \b
@@ -418,7 +423,7 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
         dist_check_every=dist_check_every, dist_overlap=dist_overlap, ignore_index=ignore_index,
         lr_schedule=lr_schedule, warmup=warmup, clip_grad_norm=clip_grad_norm,
         eval_data=eval_data, eval_every=eval_every, class_axis=class_axis,
-        untie=untie or None, split_shared=split_shared or None)
+        untie=untie or None, split_shared=split_shared or None, recompute=recompute)
     if list_params:
         print_params(options, echo=echo)
         return

@@ -79,6 +79,7 @@ class RunOptions:
     class_axis: int | None = None         # cross_entropy: the logits' class axis (None: found)
     untie: bool | None = None             # train tied copies apart (None: tied, as PyTorch)
     split_shared: bool | None = None      # one copy per module of an exporter-merged tensor
+    recompute: str | None = None          # none | layers: activations kept or computed again
     lr_schedule: str | None = None        # constant | linear | cosine (None: constant)
     warmup: int | None = None             # steps of linear warmup from 0 (None: 0)
     clip_grad_norm: float | None = None   # clip the gradients' global L2 norm to this
@@ -349,10 +350,13 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
                   level=opts.level, precision=precision, disable=opts.disable,
                   label_shapes=array_shapes(arrays),
                   ignore_index=-100 if opts.ignore_index is None else opts.ignore_index,
-                  class_axis=opts.class_axis, external=external, untie=bool(opts.untie))
+                  class_axis=opts.class_axis, external=external, untie=bool(opts.untie),
+                  recompute=opts.recompute or "none")
     for title, report in graph.reports:
         say(f"== {title}")
         say(report.format_table())
+    if graph.recomputation is not None:
+        say(graph.recomputation.describe())
     if opts.save_graph and writer:
         for path in save_model(graph.proto, opts.save_graph, protect=protect,
                                what="--save-graph", external=external):

@@ -19,6 +19,7 @@ from graphopt.modelio import tensor_value
 from graphopt.report import Report
 from graphopt.training import TrainingGraph
 from graphopt.training.prepare import listed_names, prepare_training
+from graphopt.training.recompute import Recomputation, recompute_layers
 from graphopt.training.selection import NOT_TRAINED_REASONS, classify_initializers
 
 
@@ -30,6 +31,7 @@ class RunGraph(TrainingGraph):
     initial: dict[str, np.ndarray] = field(default_factory=dict)
     reports: list[tuple[str, Report]] = field(default_factory=list)
     fingerprint: str = ""             # what a checkpoint must match to resume (see below)
+    recomputation: Recomputation | None = None   # --recompute layers: what is computed twice
 
     @property
     def fired(self) -> list[str]:
@@ -40,22 +42,26 @@ def build(forward: onnx.ModelProto, *, loss: str | None = None, labels: str | No
           freeze=(), train=(), level: int = 2, precision: str = "fp32",
           disable: tuple[str, ...] = (), label_shapes: dict | None = None,
           ignore_index: int | None = None, class_axis: int | None = None,
-          external=None, untie: bool = False) -> RunGraph:
+          external=None, untie: bool = False, recompute: str = "none") -> RunGraph:
     """The optimized training graph of ``forward`` for a run in ``precision`` (see
     :func:`graphopt.training.prepare_training` for the other arguments; ``external``: the open
-    files holding ``forward``'s external tensors, :class:`graphopt.modelio.ExternalFiles`)."""
+    files holding ``forward``'s external tensors, :class:`graphopt.modelio.ExternalFiles`;
+    ``recompute``: "layers" computes each layer's activations again in the backward pass
+    instead of keeping them, :mod:`graphopt.training.recompute`)."""
     graph, reports = prepare_training(forward, loss=loss, labels=labels, freeze=freeze,
                                       train=train, level=level, float16=precision != "fp32",
                                       disable=disable, label_shapes=label_shapes,
                                       ignore_index=ignore_index, class_axis=class_axis,
                                       external=external, untie=untie)
+    recomputation = recompute_layers(graph.proto) if recompute == "layers" else None
     originals = {t.name: t for t in forward.graph.initializer}
     current = {t.name: t for t in graph.proto.graph.initializer}
     initial = {name: trainable_copy(tensor_value(originals.get(name, current[name]), external))
                for name in graph.params}
     contract = {f.name: getattr(graph, f.name) for f in dataclasses.fields(TrainingGraph)}
     return RunGraph(**contract, initial=initial, reports=reports,
-                    fingerprint=fingerprint(forward, graph.params, loss, labels, external))
+                    fingerprint=fingerprint(forward, graph.params, loss, labels, external),
+                    recomputation=recomputation)
 
 
 def trainable_copy(value: np.ndarray) -> np.ndarray:

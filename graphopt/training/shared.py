@@ -138,9 +138,9 @@ def _own_group(source: str, groups: dict[str, list[int]]) -> str:
     return source if source in groups else next(iter(groups))
 
 
-def _module_scope(node: onnx.NodeProto) -> str | None:
-    """The deepest module a dynamo-exported node belongs to (its name scopes' last module:
-    the last entry is the node's own op name)."""
+def name_scopes(node: onnx.NodeProto) -> list[str] | None:
+    """A dynamo-exported node's module scopes, outermost first (``['', 'm', 'm.h.0', ...]``;
+    the last entry is the node's own op name), or None without readable metadata."""
     entry = next((p.value for p in node.metadata_props if p.key == NAME_SCOPES), None)
     if entry is None:
         return None
@@ -148,10 +148,17 @@ def _module_scope(node: onnx.NodeProto) -> str | None:
         scopes = ast.literal_eval(entry)
     except (ValueError, SyntaxError):
         return None
-    if not isinstance(scopes, list) or len(scopes) < 2:
+    if not isinstance(scopes, list) or not all(isinstance(s, str) for s in scopes):
         return None
-    module = scopes[-2]
-    return module if isinstance(module, str) and module else None
+    return scopes
+
+
+def _module_scope(node: onnx.NodeProto) -> str | None:
+    """The deepest module a dynamo-exported node belongs to (its name scopes' last module)."""
+    scopes = name_scopes(node)
+    if scopes is None or len(scopes) < 2:
+        return None
+    return scopes[-2] or None
 
 
 def _is_identity_of(graph, nodes: list[int], source: str, name: str) -> bool:
