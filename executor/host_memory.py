@@ -180,17 +180,39 @@ class SpareBlocks:
         # out as a view of that shape
         return array if array.shape == shape else array.reshape(shape)
 
-    def offer(self, array) -> None:
+    def offer(self, array, room: int | None = None) -> None:
         """Keep ``array`` (or the array owning its memory, for a view of one) if it is large
-        and the caller holds the only reference to it: the caller drops its own next."""
+        and the caller holds the only reference to it: the caller drops its own next.
+        ``room``: the bytes the spares may hold now without taking the process above the
+        run's planned peak (its peak less what is live; None: not known, no bound): a
+        forward activation released in the backward pass is given back to the system, not
+        kept beside the tensors still to come."""
         if type(array) is not np.ndarray or array.nbytes < LARGE_BYTES:
             return
+        if room is not None and self._bytes + array.nbytes > room:
+            self._drop_earlier_runs(self._bytes + array.nbytes - room)
+            if self._bytes + array.nbytes > room:
+                return
         owner = unshared_owner(array, 2)  # the caller's reference and this argument
         if owner is None or not (owner.flags.c_contiguous and owner.flags.writeable
                                  and owner.flags.owndata):
             return
         self._spares.setdefault((owner.size, owner.dtype), []).append((owner, True))
         self._bytes += owner.nbytes
+
+    def _drop_earlier_runs(self, wanted: int) -> None:
+        """Drop spares an earlier run released, until ``wanted`` bytes are freed or none is
+        left: this run's own releases are the likelier to be asked for again."""
+        for key in list(self._spares):
+            kept = self._spares[key]
+            while wanted > 0 and kept and not kept[0][1]:
+                array, _ = kept.pop(0)
+                self._bytes -= array.nbytes
+                wanted -= array.nbytes
+            if not kept:
+                del self._spares[key]
+            if wanted <= 0:
+                return
 
     def clear(self) -> None:
         """Drop every spare."""

@@ -354,14 +354,26 @@ def planned_peak(plan, sizes: Mapping[str, int | None], resident: int,
 
     ``resident``: bytes alive all along (initializers); ``feeds``: name -> bytes of the
     tensors handed in; ``sizes``: name -> bytes of every other tensor (None: unknown)."""
+    peak, peak_step, _, _ = planned_profile(plan, sizes, resident, feeds)
+    return peak, peak_step
+
+
+def planned_profile(plan, sizes: Mapping[str, int | None], resident: int,
+                    feeds: Mapping[str, int]
+                    ) -> tuple[int, int | None, list[int], list[int]]:
+    """:func:`planned_peak` and, per step, the bytes live after its release (``after``)
+    and while it runs (``during``: its outputs made, nothing released yet)."""
     names = plan.names_by_slot
     produced = {o for step in plan.steps for o in step.node.outputs if o}
     live = resident + sum(feeds.values())
     peak, peak_step = live, None
+    after: list[int] = []
+    during: list[int] = []
     for index, step in enumerate(plan.steps):
         for slot in step.out_slots:
             if slot >= 0:
                 live += sizes.get(names[slot]) or 0
+        during.append(live)
         if live > peak:
             peak, peak_step = live, index
         for slot in step.release:
@@ -370,7 +382,20 @@ def planned_peak(plan, sizes: Mapping[str, int | None], resident: int,
                 live -= feeds[name]
             elif name in produced:
                 live -= sizes.get(name) or 0
-    return peak, peak_step
+        after.append(live)
+    return peak, peak_step, after, during
+
+
+def spare_room(peak: int, after: list[int], during: list[int]) -> list[int]:
+    """Per step, what memory kept for reuse (host_memory.SpareBlocks) may hold once the step
+    released its dead tensors, so that the process stays within the run's planned peak from
+    there to the end: a spare kept now is still held while later steps make their tensors."""
+    room = [0] * len(after)
+    lowest = peak
+    for index in range(len(after) - 1, -1, -1):
+        room[index] = min(lowest, peak - after[index])
+        lowest = min(lowest, peak - during[index])
+    return room
 
 
 class MemoryGuard:
@@ -389,7 +414,8 @@ class MemoryGuard:
             self.available += self.resident
         self.types = self._infer() if self.available is not None else {}
         self._cache: dict[tuple, dict[str, int | None]] = {}
-        self._verdicts: dict[tuple, int] = {}
+        self._verdicts: dict[tuple, tuple[int, list[int]]] = {}
+        self.room: list[int] | None = None   # the running plan's room per step (check_run)
         # during a run: its slot values (Session.run sets them) and the sizes its plan counted
         self.values: list | None = None
         self.run_sizes: Mapping[str, int | None] | None = None
@@ -441,6 +467,7 @@ class MemoryGuard:
     def check_run(self, plan, feeds: Mapping[str, object]) -> int | None:
         """At run() start: bind dims from the feeds and refuse before any node runs.
         Returns the planned peak bytes (None when the check is off)."""
+        self.room = None
         if self.available is None:
             return None
         shapes = {n: tuple(int(d) for d in getattr(v, "shape", ())) for n, v in feeds.items()}
@@ -449,17 +476,19 @@ class MemoryGuard:
         self.run_sizes = sizes  # None (the cache was full): check_allocation counts all
         verdict = self._verdicts.get((id(plan), key))
         if verdict is not None:  # a training loop: same plan, same shapes, every step
-            if verdict > self.available:
-                raise MemoryLimitError(verdict, self.available, self.device,
+            peak, self.room = verdict
+            if peak > self.available:
+                raise MemoryLimitError(peak, self.available, self.device,
                                        "for these feed shapes, before running")
-            return verdict
+            return peak
         if sizes is None:
             sizes = self._sizes_for(shapes, key)
             self.run_sizes = sizes
         fed = {n: int(getattr(v, "nbytes", 0)) for n, v in feeds.items()}
-        peak, _ = planned_peak(plan, sizes, self.resident, fed)
+        peak, _, after, during = planned_profile(plan, sizes, self.resident, fed)
+        self.room = spare_room(peak, after, during)
         if len(self._verdicts) < 256:
-            self._verdicts[(id(plan), key)] = peak
+            self._verdicts[(id(plan), key)] = (peak, self.room)
         if peak > self.available:
             raise MemoryLimitError(peak, self.available, self.device,
                                    "for these feed shapes, before running")

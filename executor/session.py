@@ -338,6 +338,7 @@ class Session:
         peak = self._memory.check_run(plan, checked)
         donate = self.backend.xp is np  # CuPy arrays: reference counts do not tell ownership
         kept_bytes = None if peak is None else peak - self._memory.resident
+        room = self._memory.room   # per step: what spares may hold within the planned peak
         if donate:  # the next run needs the memory this one frees: keep it (host_memory.py)
             keep_freed(kept_bytes)
         values: list[Any] = [None] * plan.num_slots
@@ -389,10 +390,10 @@ class Session:
                 for slot in step.release:
                     value, values[slot] = values[slot], None
                     if spares is not None:
-                        spares.offer(value)
+                        spares.offer(value, None if room is None else room[index])
                 while donations:  # donated inputs the kernel did not write into
                     value = donations.pop()
-                    spares.offer(value)
+                    spares.offer(value, None if room is None else room[index])
                 value = None
                 if observer is not None:
                     blas.restore()

@@ -312,7 +312,7 @@ def test_a_training_step_with_many_spares_gives_the_bits_of_one_with_none(monkey
         for name in fetches:
             assert got[name].tobytes() == want[name].tobytes(), name
     # kept after each run, and written into again: 40 of 61 asks found one here
-    assert kept[-1] > 0 and sum(handed_out) >= 20
+    assert kept[-1] > 0 and sum(handed_out) >= 15   # spares were taken all through
 
 
 # --- a run's outputs given back: Session.recycle --------------------------------------------
@@ -383,3 +383,26 @@ def test_an_embedding_gradient_in_a_recycled_array_is_the_bits_of_fresh_zeros():
         np.add.at(reference, feeds["indices"], feeds["dy"])
         np.testing.assert_allclose(got["dx"], reference, rtol=1e-6, atol=1e-6)
         session.recycle(got)
+
+
+# --- what spares hold stays within the run's planned peak -----------------------------------
+
+def test_spares_never_take_the_run_above_its_planned_peak():
+    """A large tensor released early (a forward activation) is not kept while a larger one of
+    another size is made later (the backward pass's): kept, the two would be held at once,
+    above the peak the plan printed and checked."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 48])
+    out = helper.make_tensor_value_info("out", TensorProto.FLOAT, [])
+    nodes = [helper.make_node("Relu", ["x"], ["a"]),                  # 12 KiB
+             helper.make_node("ReduceSum", ["a"], ["s"], keepdims=1),  # a dies here
+             helper.make_node("Expand", ["s", "wide"], ["c"]),         # 48 KiB, another size
+             helper.make_node("ReduceSum", ["c"], ["out"], keepdims=0)]
+    wide = numpy_helper.from_array(np.array([256, 48], np.int64), "wide")
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [out], [wide]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    session = Session(model, device="cpu")
+    feeds = {"x": np.ones((64, 48), np.float32)}
+    held = []
+    session.run(feeds, observer=lambda *_: held.append(session._ctx.spares.nbytes))
+    assert held[1] == 0 and held[2] == 0   # a's memory went back: c is made after it
+    assert session._ctx.spares.nbytes == 0 or max(held) <= 256 * 48 * 4
