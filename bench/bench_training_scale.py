@@ -49,9 +49,9 @@ time -v`'s maximum resident set of each process, from start to exit (MB = 10^6 b
 PyTorch child's VmHWM is printed too. A run that fails, runs past `--timeout` (default 3600 s)
 or holds more than `--memory-limit` GB is its cell's entry.
 
-Falcon's dynamo export keeps the rotary embedding's `inv_freq` buffer as an initializer, which
-graphopt takes for a weight (and has no gradient of Sin/Cos for): `--graphopt-args "--freeze
-*inv_freq"` trains what PyTorch trains there.
+Falcon's dynamo export keeps the rotary embedding's `inv_freq` buffer as an initializer;
+graphopt leaves it out by default, as a module buffer reached only through Cos and Sin, so both
+sides train the same tensors.
 
 Targets: graphopt's peak RSS <= 1.1x PyTorch's; its median step <= PyTorch's
 (falcon-118m and gpt2-124m only); SGD: losses equal to 1e-5 (absolute) over the first 5 steps;

@@ -18,9 +18,14 @@ from graphopt.ir import normalize_domain
 from graphopt.modelio import tensor_value
 from graphopt.report import Report
 from graphopt.training import TrainingGraph
-from graphopt.training.prepare import listed_names, prepare_training
+from graphopt.training.prepare import prepare_training
 from graphopt.training.recompute import Recomputation, recompute_layers
-from graphopt.training.selection import NOT_TRAINED_REASONS, classify_initializers
+from graphopt.training.selection import (
+    NOT_TRAINED_REASONS,
+    classify_initializers,
+    gradient_blockers,
+    listed_names,
+)
 
 
 @dataclass(eq=False)   # initial holds arrays
@@ -152,6 +157,11 @@ def describe_params(forward: onnx.ModelProto, params: list[str], freeze=(), trai
     if frozen:
         left_out = {"frozen": frozen, **left_out}
     reasons = {"frozen": "--freeze", **NOT_TRAINED_REASONS}
+    if left_out.get("no_gradient"):
+        blockers = gradient_blockers(forward, left_out["no_gradient"])
+        ops = sorted({op for found in blockers.values() for op in found})
+        reasons["no_gradient"] += (f" (their paths to the outputs cross {', '.join(ops)}, "
+                                   "which have no gradient definition)")
     parts = [f"{reasons[key]}: {listed_names([n for n in names if n not in chosen])}"
              for key, names in left_out.items() if key != "integer"
              and any(n not in chosen for n in names)]

@@ -29,9 +29,9 @@ from . import gradients  # noqa: F401  (registers the built-in gradient definiti
 from .emitter import Emitter, external_inputs
 from .graph import TrainingGraph, frozen_initializers
 from .losses import attach_loss
-from .paths import GradientPath, ancestors, find_gradient_path
+from .paths import GradientPath, ancestors, find_gradient_path, node_inputs
 from .registry import GradientContext, gradient_of, op_label
-from .selection import Patterns, as_patterns, matching, select_trainable
+from .selection import Patterns, as_patterns, listed_names, matching, select_trainable
 from .types import TypeTable
 
 
@@ -99,7 +99,7 @@ def build_training_graph(model: onnx.ModelProto | TrainingGraph | str | os.PathL
 
     types = TypeTable.infer(proto)
     path = find_gradient_path(graph, differentiated, head.differentiable, types)
-    _check_definitions(path)
+    _check_definitions(path, graph, differentiated)
 
     emitter = Emitter(names, _standard_opset(proto), types)
     yield_outputs = [names.fresh(f"{t}_grad") for t in head.differentiable]
@@ -151,7 +151,7 @@ def _standard_opset(proto: onnx.ModelProto) -> int:
     raise GraphoptError("the model imports no standard ONNX opset")
 
 
-def _check_definitions(path: GradientPath) -> None:
+def _check_definitions(path: GradientPath, graph: onnx.GraphProto, sources: list[str]) -> None:
     missing: dict[str, list[str]] = defaultdict(list)
     for node in path.nodes:
         if gradient_of(node) is None:
@@ -160,10 +160,27 @@ def _check_definitions(path: GradientPath) -> None:
         listed = "; ".join(f"{op} (node{'s' if len(nodes) > 1 else ''} "
                            f"{', '.join(map(repr, nodes[:5]))}{', ...' if len(nodes) > 5 else ''})"
                            for op, nodes in sorted(missing.items()))
+        behind = _sources_reaching(graph, sources, {n for names in missing.values()
+                                                    for n in names})
         raise GraphoptError(
-            f"no gradient definition for {len(missing)} op type(s) on the path from the "
-            f"trained parameters to the loss: {listed}. Freeze the parameters in front of "
-            "them, or register a definition with graphopt.training.gradient")
+            f"no gradient definition for {len(missing)} op type(s) on the path from "
+            f"{listed_names(behind)} to the loss: {listed}. Freeze "
+            f"{'it' if len(behind) == 1 else 'them'} (--freeze), or register a definition "
+            "with graphopt.training.gradient")
+
+
+def _sources_reaching(graph: onnx.GraphProto, sources: list[str], node_names: set[str]):
+    """The trained tensors from which one of the nodes named ``node_names`` is computed."""
+    found = []
+    for source in sources:
+        reached = {source}
+        for node in graph.node:
+            if any(name in reached for name in node_inputs(node)):
+                if (node.name or "<unnamed>") in node_names:
+                    found.append(source)
+                    break
+                reached.update(out for out in node.output if out)
+    return found
 
 
 def _yield_node(head, yield_outputs: list[str], names) -> onnx.NodeProto:

@@ -4,12 +4,13 @@ gradient definition; everything else (shape arithmetic, masks, unused branches) 
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import onnx
 
 from ..ir import free_variables, subgraphs_of
+from .registry import op_label
 from .types import TypeTable
 
 
@@ -63,3 +64,36 @@ def _walk_upstream(graph_nodes: list[onnx.NodeProto],
             keep.add(index)
             stack.extend(node_inputs(graph_nodes[index]))
     return keep, seen
+
+
+# ops whose outputs are never floating-point (shapes, indices, booleans): no gradient could
+# pass them, so they are not what keeps one from a tensor
+_NEVER_FLOAT_OUTPUTS = frozenset({
+    "Shape", "Size", "NonZero", "ArgMax", "ArgMin", "IsNaN", "IsInf", "Equal", "Less",
+    "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or", "Xor"})
+
+
+def gradient_blocked(graph: onnx.GraphProto, sources: Iterable[str], targets: Iterable[str],
+                     has_gradient: Callable[[onnx.NodeProto], bool]) -> dict[str, list[str]]:
+    """The ``sources`` that ``targets`` depend on only through nodes without a gradient:
+    {source: the op types of those nodes, sorted}. A rotary embedding's ``inv_freq`` reaches
+    the logits through Cos and Sin only; a source the targets do not read at all is not
+    blocked (its gradient is zero, not missing)."""
+    nodes = list(graph.node)
+    _, used = _walk_upstream(nodes, targets)
+    carrying = set(targets)  # tensors a gradient reaches from the targets
+    for node in reversed(nodes):
+        if has_gradient(node) and any(out in carrying for out in node.output):
+            carrying.update(node_inputs(node))
+    blocked = [s for s in dict.fromkeys(sources) if s in used and s not in carrying]
+    found: dict[str, list[str]] = {}
+    for source in blocked:
+        reached, ops = {source}, set()
+        for node in nodes:
+            if any(name in reached for name in node_inputs(node)):
+                reached.update(out for out in node.output if out)
+                if (not has_gradient(node) and node.op_type not in _NEVER_FLOAT_OUTPUTS
+                        and any(out in used for out in node.output)):
+                    ops.add(op_label(node))
+        found[source] = sorted(ops)
+    return found

@@ -32,7 +32,7 @@ from .builder import build_training_graph, list_weights_as_inputs
 from .float16 import to_float16
 from .graph import TrainingGraph, has_yield
 from .losses import DEFAULT_LABELS, checked_ignore_index, class_axis_for
-from .selection import classify_initializers, select_trainable
+from .selection import classify_initializers, listed_names, select_trainable
 from .ties import Tie, find_ties, tie, tie_entries
 
 NAMED_LOSSES = ("cross_entropy", "mse", "output")
@@ -182,8 +182,3 @@ def trained_params(forward: onnx.ModelProto, freeze=(), train=()) -> list[str]:
                 f"({listed_names(kept)}): --train PATTERN trains them") if kept else ""
         raise GraphoptError(f"nothing to train: no float initializer is selected{hint}")
     return params
-
-
-def listed_names(names: list[str], limit: int = 6) -> str:
-    """The first ``limit`` names, and how many there are if more."""
-    return ", ".join(names[:limit]) + (f", ... ({len(names)})" if len(names) > limit else "")

@@ -13,6 +13,9 @@ from collections.abc import Iterable, Sequence
 
 from ..errors import GraphoptError
 from ..vocabulary import FLOAT_TYPES
+from . import gradients  # noqa: F401  (registers the built-in gradient definitions)
+from .paths import gradient_blocked
+from .registry import gradient_of
 
 Patterns = str | Iterable[str] | None
 
@@ -90,7 +93,14 @@ NOT_TRAINED_REASONS = {
     "scalar": "scalars (rank 0)",
     "exporter": "exporter-generated constant names",
     "shape": "read only by shape computations",
+    "buffer": "named as PyTorch names module buffers",
+    "no_gradient": "no gradient reaches them",
 }
+
+# Module buffers (not parameters) that exporters keep as initializers: the rotary embedding's
+# inverse frequencies and caches, BatchNorm's running statistics, GPT-2's masked_bias. PyTorch
+# never trains them; nor does graphopt by default.
+BUFFER_NAMES = ("*inv_freq", "*running_mean", "*running_var", "*_cached", "*masked_bias")
 
 
 # (op type, input index) of the weight of a linear layer. Exporters fold a transposed weight
@@ -132,8 +142,10 @@ def classify_initializers(model) -> tuple[list[str], dict[str, list[str]]]:
     """What ``graphopt run`` trains by default: (parameters in model order, {reason: names
     left out}). A parameter is a floating-point initializer that is not a scalar, not named
     as exporters name their constants (:data:`EXPORTER_CONSTANT_NAMES`; a matrix read as the
-    weight of a MatMul, Gemm or Conv is a folded weight whatever its name) and not read only
-    by shape computations, so rotary tables, attention scales and mask constants of an
+    weight of a MatMul, Gemm or Conv is a folded weight whatever its name), not read only
+    by shape computations, not named as a module buffer (:data:`BUFFER_NAMES`) and not
+    cut off from the outputs' gradient by ops without a gradient definition (see
+    :func:`gradient_blockers`), so rotary tables, attention scales and mask constants of an
     exported transformer keep their values, as they do in the PyTorch module."""
     graph = model.graph
     shape_only = _shape_only_readers(graph)
@@ -151,8 +163,26 @@ def classify_initializers(model) -> tuple[list[str], dict[str, list[str]]]:
             reason = "exporter"
         elif name in shape_only:
             reason = "shape"
+        elif any(fnmatch.fnmatchcase(name, p) for p in BUFFER_NAMES):
+            reason = "buffer"
         else:
             params.append(name)
             continue
         left_out[reason].append(name)
+    blocked = gradient_blockers(model, params)
+    left_out["no_gradient"] = list(blocked)
+    params = [name for name in params if name not in blocked]
     return params, {k: v for k, v in left_out.items() if v}
+
+
+def gradient_blockers(model, names: Sequence[str]) -> dict[str, list[str]]:
+    """The initializers among ``names`` whose every path to the model's outputs crosses an
+    op without a gradient definition: {name: those op types}."""
+    graph = model.graph
+    return gradient_blocked(graph, names, [o.name for o in graph.output],
+                            lambda node: gradient_of(node) is not None)
+
+
+def listed_names(names: list[str], limit: int = 6) -> str:
+    """The first ``limit`` names, and how many there are if more."""
+    return ", ".join(names[:limit]) + (f", ... ({len(names)})" if len(names) > limit else "")

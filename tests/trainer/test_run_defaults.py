@@ -116,6 +116,86 @@ def test_nothing_left_to_train_says_how_to_train_the_constants(tmp_path):
     assert "nothing to train" in line and "--train PATTERN" in line and "val_35" in line
 
 
+# ---- 2: buffers stay buffers -------------------------------------------------------------
+def _renamed(source: str, old: str, new: str, path) -> str:
+    """``source`` with initializer ``old`` renamed ``new`` (no name to go by)."""
+    model = onnx.load(source)
+    for tensor in model.graph.initializer:
+        if tensor.name == old:
+            tensor.name = new
+    for node in model.graph.node:
+        node.input[:] = [new if name == old else name for name in node.input]
+    onnx.save(model, path)
+    return str(path)
+
+
+def test_rotary_inverse_frequencies_are_a_buffer_not_a_parameter(tmp_path):
+    """A dynamo export keeps the rotary embedding's inv_freq buffer as an initializer: named
+    as a buffer, it is not trained; renamed, it is still left out, because the logits depend
+    on it only through Cos and Sin, and the listing says so; the default trained set is the
+    module's parameters (the fixture's record of model.named_parameters())."""
+    import json
+
+    from conftest import fixture_path
+
+    source = fixture_path("hf_phi3_dynamo18.onnx")
+    meta = json.loads(str(np.load(fixture_path("hf_phi3_dynamo18.npz"))["__meta__"]))
+    buffer = "inner.model.rotary_emb.inv_freq"
+    result = invoke(source, "--list-params")
+    assert result.exit_code == 0, result.output
+    names = [line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ")]
+    assert f"named as PyTorch names module buffers: {buffer}" in result.stdout
+    weights = sum(int(np.prod(t.dims)) for t in onnx.load(source).graph.initializer
+                  if t.name in meta["trainable"])
+    assert result.stdout.splitlines()[0] == \
+        f"trained: {len(meta['trainable'])} tensors, {weights:,} weights"
+    assert buffer not in " ".join(names)
+
+    hidden = _renamed(source, buffer, "frequencies", tmp_path / "renamed.onnx")
+    result = invoke(hidden, "--list-params")
+    assert result.exit_code == 0, result.output
+    assert ("no gradient reaches them (their paths to the outputs cross Cos, Sin, which have "
+            "no gradient definition): frequencies") in result.stdout
+    assert result.stdout.splitlines()[0].startswith(f"trained: {len(meta['trainable'])} tensors")
+
+
+def test_training_a_tensor_no_gradient_reaches_names_the_tensor(tmp_path):
+    from conftest import fixture_path
+
+    hidden = _renamed(fixture_path("hf_phi3_dynamo18.onnx"), "inner.model.rotary_emb.inv_freq",
+                      "frequencies", tmp_path / "renamed.onnx")
+    d = np.load(fixture_path("hf_phi3_dynamo18.npz"))
+    data = write_npz(tmp_path / "d.npz", {"input_ids": d["train_input_ids"],
+                                          "labels": d["train_labels"]})
+    line = one_error_line(invoke(hidden, "--data", data, "--loss", "cross_entropy",
+                                 "--train", "frequencies", "--steps", "1"))
+    assert "on the path from frequencies to the loss" in line
+    assert "Cos (node" in line and "Sin (node" in line and "--freeze" in line
+
+
+def test_a_tensor_also_read_through_a_differentiable_op_is_trained(tmp_path):
+    """Cos on one path does not block a tensor that reaches the output through Add too; one
+    the outputs do not read at all is not blocked either (its gradient is zero)."""
+    model = onnx.load(MLP)
+    graph = model.graph
+    out = graph.output[0].name
+    graph.node[-1].output[0] = "logits0"
+    graph.node.extend([helper.make_node("Cos", ["phase"], ["wave"]),
+                       helper.make_node("Add", ["logits0", "wave"], ["logits1"]),
+                       helper.make_node("Add", ["logits1", "phase"], [out]),
+                       helper.make_node("Sin", ["only_sin"], ["s"]),
+                       helper.make_node("Mul", [out, "s"], ["dangling"])])
+    graph.initializer.extend([numpy_helper.from_array(np.ones(10, np.float32), "phase"),
+                              numpy_helper.from_array(np.ones(10, np.float32), "only_sin")])
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    result = invoke(path, "--list-params")
+    assert result.exit_code == 0, result.output
+    names = [line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ")]
+    assert "phase" in names and "only_sin" in names
+    assert "no gradient reaches" not in result.stdout
+
+
 # ---- 3: float16 models ---------------------------------------------------------------------
 def test_float16_model_trains_in_mixed_precision_by_default(tmp_path):
     model = tmp_path / "mlp16.onnx"
