@@ -24,8 +24,8 @@ PYTHON_TO_CLI = [
     ("device='rocm' requested", "--device rocm was asked for"),
     ("use loss='output'", "use --loss output"),
     ("loss='cross_entropy' needs", "--loss cross_entropy needs"),
-    ("(outputs=...)", "(--loss OUTPUT_NAME names a scalar loss output; cross_entropy and "
-                      "mse need a model with one output)"),
+    ("(outputs=...)", "(--loss OUTPUT names a scalar loss output, --loss cross_entropy:OUTPUT "
+                      "or mse:OUTPUT the prediction)"),
     ("labels_name ", "--labels "),
 ]
 
@@ -296,7 +296,9 @@ def list_rules():
 @click.option("--data", metavar="FILE.npz", type=click.Path(path_type=str),
               help="Training arrays named after the graph inputs, batched along axis 0.")
 @click.option("--loss", metavar="KIND|OUTPUT",
-              help="cross_entropy, mse, output, or the name of a scalar graph output.")
+              help="cross_entropy, mse, output, or the name of a scalar graph output; "
+                   "cross_entropy:OUTPUT or mse:OUTPUT picks the prediction of a model with "
+                   "several outputs.")
 @click.option("--labels", metavar="NAME", help="Name of the labels input cross_entropy/mse add.")
 @click.option("--ignore-index", type=int, metavar="N",
               help="cross_entropy: labels equal to N do not count (default -100, as PyTorch; "

@@ -35,7 +35,7 @@ to compare with. `--check-graph-only [MODEL]` (default falcon-118m; a sweep with
 falcon-7b-graph runs it on its largest other Falcon) checks the method: MODEL's graph-only
 exports must equal its real ones in everything but the weights' values.
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE /work/benchvenv/bin/python bench/bench_scale.py \\
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_scale.py \\
         [--models falcon-118m gpt2-124m falcon-1.1b falcon-7b-graph] [--exports ts dynamo] \\
         [--tools graphopt graphopt-refdata ort onnxscript onnxslim onnxsim baseline] \\
         [--runs 9] \\

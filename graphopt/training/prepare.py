@@ -66,6 +66,7 @@ def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
     if float16 and external is not None and external_tensors(forward):
         forward = with_values(forward, external)
     reports: list[tuple[str, Report]] = []
+    loss, prediction = split_loss(loss, [o.name for o in forward.graph.output])
     if class_axis is not None and loss != "cross_entropy":
         raise GraphoptError("class_axis (--class-axis) applies only to loss='cross_entropy'")
     if loss == "cross_entropy":   # refused before any rewriting, as the builder would
@@ -95,10 +96,11 @@ def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
     reports.append((f"{title} (before differentiation)", report))
     if float16:
         staged = to_float16(staged)
-    arguments = _loss_arguments(loss, [o.name for o in forward.graph.output])
+    arguments = _loss_arguments(loss, prediction, [o.name for o in forward.graph.output])
     if loss == "cross_entropy":
         arguments.update(_cross_entropy_layout(forward, labels, label_shapes or {},
-                                               class_axis), ignore_index=ignore_index)
+                                               class_axis, prediction),
+                         ignore_index=ignore_index)
     graph = build_training_graph(staged, labels_name=labels, train=params,
                                  trainable=params, **arguments)
     graph = dataclasses.replace(graph, tied=tie_entries(ties))
@@ -147,10 +149,33 @@ def _check_trains(graph: TrainingGraph) -> TrainingGraph:
     return graph
 
 
-def _loss_arguments(loss: str | None, outputs: list[str]) -> dict:
+def split_loss(loss: str | None, outputs: list[str]) -> tuple[str | None, str | None]:
+    """``--loss`` -> (the loss, the prediction output it reads or None): ``cross_entropy``
+    or ``mse`` alone read the model's one output; ``cross_entropy:NAME``/``mse:NAME`` read
+    output NAME of a model with several (an HF export's logits beside its ``present.*``)."""
+    if loss is None or ":" not in loss or loss in outputs:
+        return loss, None
+    kind, _, name = loss.partition(":")
+    if kind not in ("cross_entropy", "mse"):
+        raise GraphoptError(f"--loss {loss!r}: only cross_entropy:OUTPUT and mse:OUTPUT name "
+                            "the prediction output; output and an output's name take none")
+    if name not in outputs:
+        raise GraphoptError(f"--loss {loss!r}: {name!r} is not a graph output; the outputs "
+                            f"are {outputs}")
+    return kind, name
+
+
+def _loss_arguments(loss: str | None, prediction: str | None, outputs: list[str]) -> dict:
     """``--loss`` -> build_training_graph arguments: a named loss, or an output's name."""
+    if loss == "output" and len(outputs) > 1:
+        # the YieldOp would seed every output's gradient with ones: the run would drive the
+        # sum of all of them, which is no loss anyone meant
+        raise GraphoptError(f"--loss output trains the sum of every output, and the model has "
+                            f"{len(outputs)} ({listed_names(outputs)}): name the loss output "
+                            "(--loss NAME) or the prediction (--loss cross_entropy:NAME, "
+                            "mse:NAME)")
     if loss is None or loss in NAMED_LOSSES:
-        return {"loss": loss}
+        return {"loss": loss, **({"outputs": [prediction]} if prediction else {})}
     if loss not in outputs:
         raise GraphoptError(f"--loss {loss!r} is neither {', '.join(NAMED_LOSSES)} nor a graph "
                             f"output; the outputs are {outputs}")
@@ -158,12 +183,12 @@ def _loss_arguments(loss: str | None, outputs: list[str]) -> dict:
 
 
 def _cross_entropy_layout(forward: onnx.ModelProto, labels: str | None, shapes: dict,
-                          class_axis: int | None = None) -> dict:
-    """The class axis of the logits, from the labels the data holds (HF causal LMs give
-    [batch, seq, vocab] logits for [batch, seq] labels: the last axis), or ``class_axis``
-    checked against them."""
+                          class_axis: int | None = None, prediction: str | None = None) -> dict:
+    """The class axis of the logits (output ``prediction``, or the model's one output), from
+    the labels the data holds (HF causal LMs give [batch, seq, vocab] logits for [batch, seq]
+    labels: the last axis), or ``class_axis`` checked against them."""
     name = labels or DEFAULT_LABELS["cross_entropy"]
-    outputs = list(forward.graph.output)
+    outputs = [o for o in forward.graph.output if prediction in (None, o.name)]
     if len(outputs) != 1 or name not in shapes:
         return {} if class_axis is None else {"class_axis": class_axis}
     return {"class_axis": class_axis_for(outputs[0], tuple(shapes[name]), name, class_axis)}

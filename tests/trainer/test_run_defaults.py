@@ -267,3 +267,47 @@ def test_the_training_line_says_which_cpu_kernels_run(monkeypatch, switch, words
     assert result.exit_code == 0, result.output
     line = next(line for line in result.output.splitlines() if line.startswith("training "))
     assert line.split("; device cpu ", 1)[1].startswith(words)
+
+
+# ---- models with several outputs ---------------------------------------------------------
+def _with_second_output(tmp_path) -> str:
+    """The MLP with its hidden activations as a second output (as an HF export has
+    ``present.*`` beside the logits)."""
+    model = onnx.load(MLP)
+    hidden = model.graph.node[1].output[0]
+    model.graph.output.append(helper.make_tensor_value_info(hidden, TensorProto.FLOAT, [4, 32]))
+    path = tmp_path / "two_outputs.onnx"
+    onnx.save(model, path)
+    return str(path)
+
+
+def test_cross_entropy_names_the_prediction_of_a_model_with_several_outputs(tmp_path):
+    data = write_npz(tmp_path / "d.npz", mlp_data())
+    common = ["--data", data, "--batch-size", "4", "--steps", "3", "--lr", "0.05",
+              "--optimizer", "sgd", "--log"]
+    one = invoke(MLP, "--loss", "cross_entropy", *common, tmp_path / "one.jsonl")
+    assert one.exit_code == 0, one.output
+    two = _with_second_output(tmp_path)
+    line = one_error_line(invoke(two, "--loss", "cross_entropy", *common, tmp_path / "x.jsonl"))
+    assert "--loss cross_entropy:OUTPUT" in line
+    named = invoke(two, "--loss", "cross_entropy:" + onnx.load(MLP).graph.output[0].name,
+                   *common, tmp_path / "two.jsonl")
+    assert named.exit_code == 0, named.output
+
+    def losses(log):
+        import json
+        return [json.loads(row)["loss"] for row in open(log) if '"loss"' in row]
+
+    assert losses(tmp_path / "two.jsonl") == losses(tmp_path / "one.jsonl")
+    assert len(losses(tmp_path / "one.jsonl")) == 3
+
+
+def test_loss_output_refuses_a_model_with_several_outputs(tmp_path):
+    """It would drive the sum of every output, which is nobody's loss."""
+    data = write_npz(tmp_path / "d.npz", mlp_data())
+    line = one_error_line(invoke(_with_second_output(tmp_path), "--data", data, "--loss",
+                                 "output", "--steps", "1"))
+    assert "--loss output trains the sum of every output" in line and "2" in line
+    for wrong, words in [("cross_entropy:nothing", "'nothing' is not a graph output"),
+                         ("output:x", "only cross_entropy:OUTPUT and mse:OUTPUT")]:
+        assert words in one_error_line(invoke(MLP, "--data", data, "--loss", wrong))
