@@ -35,26 +35,46 @@ def master_dtype(precision: str) -> np.dtype:
     return np.dtype(np.float16 if precision == "fp16" else np.float32)
 
 
+def float_weight_elements(model: onnx.ModelProto) -> tuple[int, int]:
+    """(float16 elements, float32 elements) of the model's initializers."""
+    half = full = 0
+    for tensor in model.graph.initializer:
+        size = int(np.prod(tensor.dims, dtype=np.int64))
+        if tensor.data_type == HALF:
+            half += size
+        elif tensor.data_type == FLOAT:
+            full += size
+    return half, full
+
+
 def model_is_float16(model: onnx.ModelProto) -> bool:
     """Whether the model stores its float weights in float16 (an fp16 export or a
-    ``model.half()``): then ``graphopt run`` trains in mixed precision by default."""
-    kinds = {t.data_type for t in model.graph.initializer if t.data_type in (FLOAT, HALF)}
-    return kinds == {HALF}
+    ``model.half()``, which may keep a few constants in float32): most of their elements are
+    float16. Then ``graphopt run`` trains in mixed precision by default."""
+    half, full = float_weight_elements(model)
+    return half > full
 
 
 def default_precision(model: onnx.ModelProto, requested: str | None) -> tuple[str, str | None]:
     """(precision, a note to print or None). Unset: follow the model's dtype (float16
     weights -> mixed: FP16 compute as stored, FP32 master weights, as PyTorch AMP keeps them).
-    ``fp32`` on a float16 model is refused: its graph computes in float16."""
-    half = model_is_float16(model)
+    ``fp32`` on a float16 model is refused: its graph computes in float16. A model holding
+    both float16 and float32 weights is told which way it was taken, and why."""
+    half, full = float_weight_elements(model)
+    is_half = half > full
+    share = (f"{100 * half / (half + full):.1f}% of the model's float weights are float16 "
+             f"({half:,} of {half + full:,} elements)") if half and full else None
     if requested is None:
-        if half:
-            return "mixed", ("the model's weights are float16: training with --precision "
-                             "mixed (FP16 compute, FP32 master weights; --precision fp16 "
-                             "keeps FP16 master weights)")
+        if is_half:
+            return "mixed", ((share or "the model's weights are float16") + ": training with "
+                             "--precision mixed (FP16 compute, FP32 master weights; "
+                             "--precision fp16 keeps FP16 master weights)")
+        if share:
+            return "fp32", f"{share}: training with --precision fp32 (--precision mixed " \
+                           "computes in FP16)"
         return "fp32", None
     check_precision(requested)
-    if requested == "fp32" and half:
+    if requested == "fp32" and is_half:
         raise GraphoptError("--precision fp32: the model's weights are float16; use "
                             "--precision mixed (FP32 master weights) or --precision fp16, "
                             "or leave --precision out")

@@ -218,6 +218,27 @@ def test_float16_model_trains_in_mixed_precision_by_default(tmp_path):
     assert next(a.i for a in cast.attribute if a.name == "to") == TensorProto.FLOAT
 
 
+def test_a_half_model_keeping_some_float32_weights_still_trains_in_mixed(tmp_path):
+    """model.half() exports keep a few constants in float32: the weights' elements decide,
+    and the line says so."""
+    model = to_float16(onnx.load(MLP), keep_outputs_fp32=False)
+    graph = model.graph
+    out = graph.output[0].name
+    graph.node[-1].output[0] = "logits16"
+    graph.initializer.append(numpy_helper.from_array(np.full(10, 1.5, np.float32), "scale32"))
+    graph.node.extend([helper.make_node("Cast", ["scale32"], ["scale16"], to=TensorProto.FLOAT16),
+                       helper.make_node("Mul", ["logits16", "scale16"], [out])])
+    path = tmp_path / "mostly16.onnx"
+    onnx.save(model, path)
+    data = write_npz(tmp_path / "d.npz", mlp_data())
+    result = invoke(path, "--data", data, "--loss", "cross_entropy", "--batch-size", "4",
+                    "--steps", "2")
+    assert result.exit_code == 0, result.output
+    assert "99.6% of the model's float weights are float16 (2,410 of 2,420 elements): " \
+        "training with --precision mixed" in result.stdout
+    assert "step 2/2" in result.stdout
+
+
 def test_float16_model_with_fp32_precision_says_what_to_use(tmp_path):
     model = tmp_path / "mlp16.onnx"
     onnx.save(to_float16(onnx.load(MLP), keep_outputs_fp32=False), model)
