@@ -34,6 +34,7 @@ OP_TYPES = frozenset({
     "SoftmaxGrad_13", "LayerNormalizationGrad", "GeluGrad", "BiasGeluGrad_dX",
     "SoftmaxCrossEntropyLoss", "SoftmaxCrossEntropyLossInternal",
     "SoftmaxCrossEntropyLossGrad", "SoftmaxCrossEntropyLossInternalGrad",
+    "FastGelu", "FastGeluGrad", "BiasFastGeluGrad_dX",
     # an embedding's gradient: its float32 scatter-add (other scatter-adds use the compiled
     # loop only where something else has loaded it: see loaded_kernels)
     "GatherGrad"})

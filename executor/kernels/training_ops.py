@@ -20,7 +20,7 @@ from ._util import (
     compute_dtype,
     gelu_exact_grad,
     gelu_exact_grad_from_output,
-    gelu_tanh_grad,
+    gelu_tanh_grad_times,
     norm_axis,
     row_dots,
     row_sums,
@@ -264,7 +264,7 @@ def gelu_grad(ctx, node, dy, x, gelu_x=None):
 
 @_ms("FastGeluGrad")
 def fast_gelu_grad(ctx, node, dy, x):
-    return _with_dtype(lambda g, v: g * gelu_tanh_grad(ctx.xp, v), dy, x)
+    return _with_dtype(lambda g, v: gelu_tanh_grad_times(ctx.xp, g, v), dy, x)
 
 
 @_ms("BiasGeluGrad_dX", reads_also=_forward_gelu)
@@ -277,7 +277,7 @@ def bias_gelu_grad_dx(ctx, node, dy, x, bias, gelu_x=None):
 
 @_ms("BiasFastGeluGrad_dX")
 def bias_fast_gelu_grad_dx(ctx, node, dy, x, bias):
-    return _with_dtype(lambda g, v, b: g * gelu_tanh_grad(ctx.xp, v + b), dy, x, bias)
+    return _with_dtype(lambda g, v, b: gelu_tanh_grad_times(ctx.xp, g, v + b), dy, x, bias)
 
 
 @_ms("LayerNormalizationGrad")

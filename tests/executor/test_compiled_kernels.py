@@ -388,3 +388,45 @@ def test_a_numba_that_cannot_compile_here_leaves_the_numpy_passes(monkeypatch):
     assert _compiled.describe() == ("NumPy passes: numba could not compile here (RuntimeError: "
                                     "cannot cache function 'softmax_rows': no locator "
                                     "available)")
+
+
+def _gelu_tanh64(x):
+    x = x.astype(np.float64)
+    return 0.5 * x * (1.0 + np.tanh(_util._TANH_C * (x + _util._TANH_K * x ** 3)))
+
+
+def _gelu_tanh_grad64(x):
+    x = x.astype(np.float64)
+    t = np.tanh(_util._TANH_C * (x + _util._TANH_K * x ** 3))
+    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * _util._TANH_C * (1 + 3 * _util._TANH_K * x * x)
+
+
+def test_gelu_tanh_and_its_gradient_in_one_pass(monkeypatch):
+    """FastGelu / Gelu(approximate="tanh") and their gradients: within 3e-7 * (1 + |x|) of
+    float64 over the range GELU sees (tanh saturates beyond |x| ~ 5), as close to it as the
+    NumPy passes they replace, the same at the edges (NaN, +-inf, 0, underflow)."""
+    x = np.concatenate([RNG.standard_normal(40_000).astype(np.float32) * 4,
+                        np.linspace(-12, 12, 9_001, dtype=np.float32),
+                        np.array([0.0, -0.0, 1e-30, -1e-30, FLOAT32_MIN_NORMAL, 80, -80],
+                                 np.float32)])
+    dy = RNG.standard_normal(x.size).astype(np.float32)
+    fast = _util.gelu_tanh(np, x)
+    fast_grad = _util.gelu_tanh_grad_times(np, dy, x)
+    slow = _numpy_path(monkeypatch, lambda: _util.gelu_tanh(np, x))
+    slow_grad = _numpy_path(monkeypatch, lambda: _util.gelu_tanh_grad_times(np, dy, x))
+    bound = 3e-7 * (1 + np.abs(x.astype(np.float64)))
+    for got in (fast, fast_grad, slow, slow_grad):
+        assert got.dtype == np.float32 and got.shape == x.shape
+    assert np.all(np.abs(fast - _gelu_tanh64(x)) <= bound)
+    assert np.all(np.abs(slow - _gelu_tanh64(x)) <= bound)
+    exact_grad = dy * _gelu_tanh_grad64(x)
+    grad_bound = bound * np.maximum(1, np.abs(dy))
+    assert np.all(np.abs(fast_grad - exact_grad) <= grad_bound)
+    assert np.all(np.abs(slow_grad - exact_grad) <= grad_bound)
+    edges = np.array([np.nan, np.inf, -np.inf, 0.0], np.float32)
+    padded = np.concatenate([edges, np.zeros(_compiled.MIN_ELEMENTS, np.float32)])
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(_util.gelu_tanh(np, padded)[:4],
+                                      _numpy_path(monkeypatch,
+                                                  lambda: _util.gelu_tanh(np, padded))[:4])
+    assert jit is not None  # the compiled kernels ran above
