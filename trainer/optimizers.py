@@ -18,6 +18,8 @@ import math
 import numpy as np
 
 from graphopt.errors import GraphoptError
+from graphopt.executor.kernels._compiled import compiled_kernels
+from graphopt.executor.kernels._threads import run_blocks
 
 # elements of a float32 host weight updated at a time (Optimizer._update_in_chunks): 256 KiB,
 # within a core's L2 cache
@@ -301,8 +303,36 @@ class AdamW(Optimizer):
     def _apply(self, param, grad, slots, fresh):
         self._arithmetic(param, grad, slots["exp_avg"], slots["exp_avg_sq"])
 
+    def _update_in_chunks(self, name: str, param: np.ndarray, grad: np.ndarray) -> None:
+        # the compiled update makes no temporaries: the whole weight in one call
+        if self._compiled_update(param.reshape(-1), np.asarray(grad).reshape(-1),
+                                 self._slot(name, "exp_avg", param).reshape(-1),
+                                 self._slot(name, "exp_avg_sq", param).reshape(-1)):
+            return
+        super()._update_in_chunks(name, param, grad)
+
+    def _compiled_update(self, param, grad, m, v) -> bool:
+        """The update in one compiled pass over threads, when numba's kernels run and the
+        four arrays are flat, contiguous float32 host arrays of one size: the same bits as
+        _arithmetic's NumPy passes, without their five reads and writes of each array."""
+        arrays = (param, grad, m, v)
+        if not all(isinstance(a, np.ndarray) and a.dtype == np.float32 and a.ndim == 1
+                   and a.flags.c_contiguous for a in arrays) or \
+                len({a.size for a in arrays}) != 1:
+            return False
+        kernels = compiled_kernels(np, param.dtype, param.size)
+        if kernels is None or not param.flags.writeable:
+            return False
+        scalars = self._scalars()
+        run_blocks(lambda start, stop: kernels.adamw_flat(
+            param[start:stop], grad[start:stop], m[start:stop], v[start:stop], *scalars),
+            param.size, UPDATE_CHUNK)
+        return True
+
     def _arithmetic(self, param, grad, m, v):
         """One AdamW update of float32 arrays in place (the order of operations is torch's)."""
+        if self._compiled_update(param, grad, m, v):
+            return
         param *= 1.0 - self.lr * self.weight_decay
         m *= self.beta1
         m += (1.0 - self.beta1) * grad

@@ -352,6 +352,21 @@ def gelu_tanh_grad_flat(x, dy, out, c, k):
 
 
 @numba.njit(**_OPTIONS)
+def adamw_flat(param, grad, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
+               sqrt_bias2, eps, step_size):
+    """One AdamW update of flat float32 arrays in place, in one pass: the trainer's NumPy
+    update's float32 operations in its order, each rounded (no fast-math: no contraction
+    into FMAs, IEEE division and sqrt), so the bits are NumPy's."""
+    for j in range(param.size):
+        g = grad[j]
+        mj = m[j] * beta1 + one_minus_beta1 * g
+        vj = v[j] * beta2 + (one_minus_beta2 * g) * g
+        m[j] = mj
+        v[j] = vj
+        param[j] = param[j] * decay - step_size * (mj / (np.sqrt(vj) / sqrt_bias2 + eps))
+
+
+@numba.njit(**_OPTIONS)
 def scatter_add_rows(out, rows, updates):
     """``out[rows[i]] += updates[i]`` for i in order: ``np.add.at``'s loop, so its bits (each
     element's additions in update order; no fast-math, whose reassociation would change
