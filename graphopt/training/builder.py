@@ -29,7 +29,7 @@ from . import gradients  # noqa: F401  (registers the built-in gradient definiti
 from .emitter import Emitter, external_inputs
 from .graph import TrainingGraph, frozen_initializers
 from .losses import attach_loss
-from .paths import GradientPath, ancestors, find_gradient_path, node_inputs
+from .paths import GradientPath, ancestors, downstream, find_gradient_path
 from .registry import GradientContext, gradient_of, op_label
 from .selection import Patterns, as_patterns, listed_names, matching, select_trainable
 from .types import TypeTable
@@ -171,16 +171,9 @@ def _check_definitions(path: GradientPath, graph: onnx.GraphProto, sources: list
 
 def _sources_reaching(graph: onnx.GraphProto, sources: list[str], node_names: set[str]):
     """The trained tensors from which one of the nodes named ``node_names`` is computed."""
-    found = []
-    for source in sources:
-        reached = {source}
-        for node in graph.node:
-            if any(name in reached for name in node_inputs(node)):
-                if (node.name or "<unnamed>") in node_names:
-                    found.append(source)
-                    break
-                reached.update(out for out in node.output if out)
-    return found
+    return [source for source in sources
+            if any((node.name or "<unnamed>") in node_names
+                   for node in downstream(graph.node, [source]))]
 
 
 def _yield_node(head, yield_outputs: list[str], names) -> onnx.NodeProto:

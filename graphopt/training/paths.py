@@ -86,14 +86,19 @@ def gradient_blocked(graph: onnx.GraphProto, sources: Iterable[str], targets: It
         if has_gradient(node) and any(out in carrying for out in node.output):
             carrying.update(node_inputs(node))
     blocked = [s for s in dict.fromkeys(sources) if s in used and s not in carrying]
-    found: dict[str, list[str]] = {}
-    for source in blocked:
-        reached, ops = {source}, set()
-        for node in nodes:
-            if any(name in reached for name in node_inputs(node)):
-                reached.update(out for out in node.output if out)
-                if (not has_gradient(node) and node.op_type not in _NEVER_FLOAT_OUTPUTS
-                        and any(out in used for out in node.output)):
-                    ops.add(op_label(node))
-        found[source] = sorted(ops)
+    return {source: sorted({op_label(node) for node in downstream(nodes, [source])
+                            if not has_gradient(node)
+                            and node.op_type not in _NEVER_FLOAT_OUTPUTS
+                            and any(out in used for out in node.output)})
+            for source in blocked}
+
+
+def downstream(graph_nodes: Iterable[onnx.NodeProto], sources: Iterable[str]
+               ) -> list[onnx.NodeProto]:
+    """The nodes that read ``sources``, directly or through other nodes, in graph order."""
+    reached, found = set(sources), []
+    for node in graph_nodes:
+        if any(name in reached for name in node_inputs(node)):
+            reached.update(out for out in node.output if out)
+            found.append(node)
     return found
