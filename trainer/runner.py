@@ -435,6 +435,11 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
         f"{optimizer.name} lr {optimizer.lr:g}{_schedule_words(settings)}; precision "
         f"{precision}; loss scale "
         f"{scaler.describe()}; device {session.device}{_kernel_words(session)}")
+    if session.device == "cpu" and precision != "fp32":
+        # NumPy has no float16 arithmetic units to use: each op converts to float32 and back
+        say(f"note: --precision {precision} on the CPU emulates FP16 (float16 storage, float32 "
+            "arithmetic, a conversion each way per op): a step takes several times an fp32 one "
+            "(about 8x on --example mqa); a GPU computes FP16 natively")
     say(trainer.memory_plan()[1])
     try:
         try:

@@ -332,3 +332,14 @@ def test_loss_output_refuses_a_model_with_several_outputs(tmp_path):
     for wrong, words in [("cross_entropy:nothing", "'nothing' is not a graph output"),
                          ("output:x", "only cross_entropy:OUTPUT and mse:OUTPUT")]:
         assert words in one_error_line(invoke(MLP, "--data", data, "--loss", wrong))
+
+
+def test_mixed_precision_on_the_cpu_says_it_is_emulated_and_slower(tmp_path):
+    data = write_npz(tmp_path / "d.npz", mlp_data())
+    args = ["--data", data, "--loss", "cross_entropy", "--batch-size", "4", "--steps", "1",
+            "--device", "cpu"]
+    mixed = invoke(MLP, *args, "--precision", "mixed")
+    assert mixed.exit_code == 0, mixed.output
+    assert "--precision mixed on the CPU emulates FP16" in mixed.stdout
+    plain = invoke(MLP, *args)
+    assert plain.exit_code == 0 and "emulates FP16" not in plain.stdout
