@@ -47,17 +47,11 @@ def float_weight_elements(model: onnx.ModelProto) -> tuple[int, int]:
     return half, full
 
 
-def model_is_float16(model: onnx.ModelProto) -> bool:
-    """Whether the model stores its float weights in float16 (an fp16 export or a
-    ``model.half()``, which may keep a few constants in float32): most of their elements are
-    float16. Then ``graphopt run`` trains in mixed precision by default."""
-    half, full = float_weight_elements(model)
-    return half > full
-
-
 def default_precision(model: onnx.ModelProto, requested: str | None) -> tuple[str, str | None]:
     """(precision, a note to print or None). Unset: follow the model's dtype (float16
-    weights -> mixed: FP16 compute as stored, FP32 master weights, as PyTorch AMP keeps them).
+    weights, as an fp16 export or a ``model.half()`` stores them: most of the float weights'
+    elements, a few constants may stay float32 -> mixed: FP16 compute as stored, FP32 master
+    weights, as PyTorch AMP keeps them).
     ``fp32`` on a float16 model is refused: its graph computes in float16. A model holding
     both float16 and float32 weights is told which way it was taken, and why."""
     half, full = float_weight_elements(model)
