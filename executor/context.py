@@ -13,8 +13,10 @@ from .host_memory import SpareBlocks, keeps_memory
 
 class KernelContext:
     """``xp`` is numpy or cupy; ``numerics`` the FP16 policy object or None; ``training``
-    the default Dropout mode for graphs that do not say; ``yield_feeds`` the caller-given
-    gradients for YieldOp outputs during one run; ``donated`` the inputs of the running
+    the default Dropout mode for graphs that do not say; ``evaluating`` set inside
+    ``Session.inference_mode`` (a training graph run as model.eval() runs it: its
+    training-mode BatchNorm normalises with the running statistics); ``yield_feeds`` the
+    caller-given gradients for YieldOp outputs during one run; ``donated`` the inputs of the running
     node that the kernel may overwrite (see ``out_for``); ``blas`` the BLAS thread count
     that ``Session.run`` holds lowered between small products (blas_threads.BlasThreads);
     ``spares`` the large arrays earlier steps and runs released (host_memory.SpareBlocks;
@@ -22,14 +24,15 @@ class KernelContext:
     ``GRAPHOPT_KEEP_HOST_MEMORY=0``), handed out by ``large_out``; ``memory`` the session's
     MemoryGuard (None when the memory check is off), which memory.check_allocation asks."""
 
-    __slots__ = ("backend", "xp", "numerics", "training", "yield_feeds", "donated", "blas",
-                 "spares", "memory", "_rng", "_node_rngs", "_host_constants", "_host_made")
+    __slots__ = ("backend", "xp", "numerics", "training", "evaluating", "yield_feeds", "donated",
+                 "blas", "spares", "memory", "_rng", "_node_rngs", "_host_constants", "_host_made")
 
     def __init__(self, backend: ArrayBackend, numerics: Any, training: bool, seed: int | None):
         self.backend = backend
         self.xp = backend.xp
         self.numerics = numerics
         self.training = training
+        self.evaluating = False
         self.yield_feeds: dict[str, Any] = {}
         self.donated: tuple = ()
         self.blas = BlasThreads()

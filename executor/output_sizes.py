@@ -147,6 +147,16 @@ def _layer_norm_grad(attrs, xs, value):
     return [xs[1], xs[2], xs[2]]
 
 
+@estimate("BatchNormInternal")
+def _batch_norm_training(attrs, xs, value):
+    return [xs[0]] + [xs[3]] * 4
+
+
+@estimate("BatchNormalizationGrad")
+def _batch_norm_grad(attrs, xs, value):
+    return [xs[1], xs[2], xs[2]]
+
+
 @estimate("ConvGrad")
 def _conv_grad(attrs, xs, value):
     dy, w = xs[0], xs[2]

@@ -231,14 +231,15 @@ class Session:
 
     @contextlib.contextmanager
     def inference_mode(self):
-        """Dropout off for the runs inside (held-out evaluation in a training session);
-        a Dropout given an explicit ``training_mode`` input still follows it."""
-        previous = self._ctx.training
-        self._ctx.training = False
+        """Dropout off and training-mode BatchNorm on its running statistics for the runs
+        inside (held-out evaluation in a training session), as model.eval(); a Dropout
+        given an explicit ``training_mode`` input still follows it."""
+        previous = self._ctx.training, self._ctx.evaluating
+        self._ctx.training, self._ctx.evaluating = False, True
         try:
             yield self
         finally:
-            self._ctx.training = previous
+            self._ctx.training, self._ctx.evaluating = previous
 
     # -- planning -----------------------------------------------------------------------
     def plan(self, output_names: Sequence[str] | None = None) -> Plan:

@@ -180,6 +180,11 @@ def _all_names(graph: onnx.GraphProto) -> Iterator[str]:
             yield from _all_names(sub)
 
 
+def graph_names(graph: onnx.GraphProto) -> Iterator[str]:
+    """Every name a graph proto uses, its subgraphs' included: what a fresh name avoids."""
+    return _all_names(graph)
+
+
 def _all_names_indexed(graph: Graph) -> Iterator[str]:
     """_all_names of an indexed graph, reading output names from its index and looking
     for subgraphs only in the nodes that have them."""

@@ -41,12 +41,16 @@ from .vocabulary import (
 TYPE_OF_INPUT = {"Gelu": 0, "GeluGrad": 1, "FastGelu": 0, "FastGeluGrad": 1, "BiasGelu": 0,
                  "BiasGeluGrad_dX": 1, "ReluGrad": 1, "SoftmaxGrad": 1, "SoftmaxGrad_13": 1,
                  "LogSoftmaxGrad": 1, "LogSoftmaxGrad_13": 1, "SoftmaxCrossEntropyLossGrad": 1,
-                 "DropoutGrad": 0}
+                 "DropoutGrad": 0, "BatchNormInternal": 0}
 # com.microsoft ops of several outputs, each typed as one of the inputs: {output: input}
 # (LayerNormalizationGrad(dY, X, scale, mean, inv_std) -> dX, dscale, dbias; ConvGrad(dY, X,
-# W) -> dX, dW and dB, whose shape no input has)
+# W) -> dX, dW and dB, whose shape no input has; BatchNormInternal(X, scale, B, mean, var) ->
+# Y and four per-channel statistics, BatchNormalizationGrad(dY, X, scale, mean, inv_std) ->
+# dX, dscale, dB)
 OUTPUTS_TYPED_AS_INPUTS = {"LayerNormalizationGrad": {0: 1, 1: 2, 2: 2},
-                           "ConvGrad": {0: 1, 1: 2}}
+                           "ConvGrad": {0: 1, 1: 2},
+                           "BatchNormInternal": {0: 0, 1: 3, 2: 3, 3: 3, 4: 3},
+                           "BatchNormalizationGrad": {0: 1, 1: 2, 2: 2}}
 
 
 def infer_types(model: onnx.ModelProto,

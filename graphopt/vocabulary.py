@@ -57,6 +57,8 @@ FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
 # (onnxruntime/core/graph/contrib_ops/contrib_defs.cc, orttraining/core/graph/
 # training_op_defs.cc) for the com.microsoft ops whose defaults graphopt reads.
 _CONTRIB_DEFAULTS = {
+    "BatchNormInternal": {"epsilon": 1e-5, "momentum": 0.9, "training_mode": 1},
+    "BatchNormalizationGrad": {"epsilon": 1e-5},
     "ConvGrad": {"group": 1},
     "FusedMatMul": {"alpha": 1.0, "transA": 0, "transB": 0, "transBatchA": 0,
                     "transBatchB": 0},

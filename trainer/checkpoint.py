@@ -69,6 +69,7 @@ class Checkpoint:
     precision: str = "fp32"
     settings: dict = field(default_factory=dict)   # the run's options, for a bare --resume
     graph: str | None = None          # fingerprint of the training graph (see .fingerprint)
+    buffers: dict[str, np.ndarray] = field(default_factory=dict)   # running statistics
 
 
 def path_in(directory: str) -> str:
@@ -91,7 +92,10 @@ def save(directory: str, checkpoint: Checkpoint) -> str:
             "settings": checkpoint.settings, "graph": checkpoint.graph,
             "params": list(checkpoint.params),
             "optimizer_arrays": list(checkpoint.optimizer_arrays)}
+    if checkpoint.buffers:
+        meta["buffers"] = list(checkpoint.buffers)
     arrays = {f"param/{k}": v for k, v in checkpoint.params.items()}
+    arrays.update({f"buffer/{k}": v for k, v in checkpoint.buffers.items()})
     arrays.update({f"opt/{k}": v for k, v in checkpoint.optimizer_arrays.items()})
     arrays["__meta__"] = np.array(json.dumps(meta))
     target = path_in(directory)
@@ -484,10 +488,11 @@ def _why(exc: BaseException) -> str:
 Check = Callable[["Checkpoint"], None]
 
 
-def _state(meta: dict, params: dict, optimizer_arrays: dict) -> Checkpoint:
+def _state(meta: dict, params: dict, optimizer_arrays: dict, buffers: dict) -> Checkpoint:
     return Checkpoint(meta["step"], params, dict(meta["optimizer"]), optimizer_arrays,
                       dict(meta["scaler"]), dict(meta["data"]), list(meta["history"]),
-                      meta["precision"], dict(meta.get("settings") or {}), meta.get("graph"))
+                      meta["precision"], dict(meta.get("settings") or {}), meta.get("graph"),
+                      buffers)
 
 
 def load(directory: str, check: Check | None = None) -> Checkpoint:
@@ -508,8 +513,11 @@ def load(directory: str, check: Check | None = None) -> Checkpoint:
                       if k.startswith("param/")}
             optimizer_arrays = {k[len("opt/"):]: v for k, v in members.items()
                                 if k.startswith("opt/")}
+            buffers = {k[len("buffer/"):]: v for k, v in members.items()
+                       if k.startswith("buffer/")}
             unknown = sorted(set(members) - {f"param/{k}" for k in params}
-                             - {f"opt/{k}" for k in optimizer_arrays})
+                             - {f"opt/{k}" for k in optimizer_arrays}
+                             - {f"buffer/{k}" for k in buffers})
             if unknown:
                 raise InvalidField(f"unexpected arrays {unknown[:3]}")
             names = _names(meta, "params")
@@ -522,14 +530,23 @@ def load(directory: str, check: Check | None = None) -> Checkpoint:
                                    f"{sorted(set(listed) ^ set(optimizer_arrays))[:3]}"
                                    " do not match the metadata")
             params = {n: params[n] for n in names}   # model order
+            buffer_names = _names(meta, "buffers") if "buffers" in meta else []
+            if sorted(buffer_names) != sorted(buffers):
+                differing = sorted(set(buffer_names) ^ set(buffers))[:3]
+                raise InvalidField(f"running statistics {differing} do not match the metadata")
+            for name, value in buffers.items():
+                if value.dtype != np.float32:
+                    raise InvalidField(f"running statistic {name!r} is {value.dtype}, not "
+                                       "float32")
             # everything about the arrays but their values, before reading any of them
             _validate(meta, params, optimizer_arrays)
             if check is not None:
-                check(_state(meta, params, optimizer_arrays))
+                check(_state(meta, params, optimizer_arrays, buffers))
             # reading every member to its end checks every CRC: a damaged byte is refused
             params = {n: _read(archive, v) for n, v in params.items()}
             optimizer_arrays = {n: _read(archive, v) for n, v in optimizer_arrays.items()}
-        checkpoint = _state(meta, params, optimizer_arrays)
+            buffers = {n: _read(archive, v) for n, v in buffers.items()}
+        checkpoint = _state(meta, params, optimizer_arrays, buffers)
     except GraphoptError:
         raise
     except InvalidField as exc:

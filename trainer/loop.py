@@ -67,6 +67,7 @@ class TrainResult:
     checkpoint: str | None = None         # path of the last checkpoint written
     nonfinite: dict[str, int] = field(default_factory=dict)   # skipped steps per kind
     stop_signal: int | None = None        # SIGINT or SIGTERM when interrupted
+    buffers: dict[str, np.ndarray] = field(default_factory=dict)   # running statistics
 
     @property
     def losses(self) -> list[float]:
@@ -224,9 +225,14 @@ class Trainer:
         # optimizer updates them in place
         self.params = self._placed({n: v.astype(master_dtype(settings.precision), copy=False)
                                     for n, v in graph.initial.items()})
+        # state a step updates without a gradient (BatchNorm's running statistics), float32;
+        # each step is fed them and replaces them by the graph's updates
+        self.buffers = self._placed({n: v.astype(np.float32, copy=False)
+                                     for n, v in graph.buffers.items()})
         self.history: list[dict] = []
         self.step = 0
-        self.fetches = list(graph.losses) + [graph.grads[p] for p in graph.params]
+        self.fetches = list(graph.losses) + [graph.grads[p] for p in graph.params] \
+            + list(graph.buffer_updates.values())
         self._loss_feeds = self._loss_gradient_templates()
         self._last_checkpoint: str | None = None
         self._checkpoint_step: int | None = None    # step of the last checkpoint in place
@@ -277,6 +283,8 @@ class Trainer:
         self._check_fits(directory, state)
         self.optimizer.load_state(state.optimizer, state.optimizer_arrays)
         self.scaler.load_state(state.scaler)
+        self.buffers.update(self._placed({n: v.astype(np.float32, copy=False)
+                                          for n, v in state.buffers.items()}))
         dtype = master_dtype(self.settings.precision)
         for name, value in state.params.items():
             mine = self.params[name]
@@ -305,6 +313,12 @@ class Trainer:
             if value.shape != self.params[name].shape:
                 raise GraphoptError(f"checkpoint weight {name!r} has shape {value.shape}, the "
                                     f"model's is {self.params[name].shape}")
+        mine = {n: tuple(v.shape) for n, v in self.buffers.items()}
+        theirs = {n: tuple(v.shape) for n, v in state.buffers.items()}
+        if theirs != mine:
+            raise GraphoptError(f"checkpoint in {directory} holds the running statistics "
+                                f"{sorted(theirs)[:4]}, this run updates {sorted(mine)[:4]} "
+                                "(names and shapes differ); not the same model")
         if state.graph != (self.graph.fingerprint or None) \
                 and not self.settings.allow_changed_graph:
             what = ("does not record which training graph it was written for (an older "
@@ -333,6 +347,7 @@ class Trainer:
         scalars, arrays = self.optimizer.state()
         state = ckpt.Checkpoint(
             step=self.step, params={n: to_host(v) for n, v in self.params.items()},
+            buffers={n: to_host(v) for n, v in self.buffers.items()},
             optimizer=scalars, optimizer_arrays=arrays,
             scaler=self.scaler.state(),
             data={"seed": self.batches.seed, "size": self.batches.size,
@@ -357,6 +372,8 @@ class Trainer:
         step = self.step
         feeds = self.batches.batch(step)
         for name, value in self.params.items():
+            feeds[name] = value.astype(self.compute_dtype, copy=False)
+        for name, value in self.buffers.items():
             feeds[name] = value.astype(self.compute_dtype, copy=False)
         scale = self.scaler.scale
         if scale != 1.0:
@@ -400,6 +417,8 @@ class Trainer:
                     grad *= np.float32(coefficient)
         if applied:
             self.optimizer.step(self.params, grads, factor)
+        if kind is None:   # a skipped (non-finite) step changes nothing, statistics included
+            self._update_buffers(out)
         out.clear()  # the gradients' only other references
         self.session.recycle(grads)  # their memory serves the next step's gradients
         self.step += 1
@@ -467,7 +486,7 @@ class Trainer:
         total = 0.0
         for feeds in self.eval_batches:
             feeds = dict(feeds)
-            for name, value in self.params.items():
+            for name, value in (*self.params.items(), *self.buffers.items()):
                 feeds[name] = value.astype(self.compute_dtype, copy=False)
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"), \
                     self.session.inference_mode():
@@ -511,6 +530,12 @@ class Trainer:
         # memory a gradient output may view but the step must not scale in place
         self._not_ours = {id(memory_owner(v)) for v in feeds.values()} | self._constants
         return self.session.run(feeds, self.fetches, to_host=not self._on_device)
+
+    def _update_buffers(self, out: dict) -> None:
+        """The running statistics the step computed become the next step's (float32 arrays
+        of their own: the step's outputs are recycled)."""
+        for buffer, updated in self.graph.buffer_updates.items():
+            self.buffers[buffer] = out[updated].astype(np.float32, copy=True)
 
     def _next_weight_generation(self, feeds: dict) -> None:
         """A new generation each step: the optimizer updated the weights in place since."""
@@ -578,7 +603,9 @@ class Trainer:
                             for n, v in self.params.items()},
                            self.history, self.step, self.scaler.skipped, interrupted,
                            self._last_checkpoint, dict(self.nonfinite),
-                           stop.signum if interrupted else None)
+                           stop.signum if interrupted else None,
+                           {n: to_host(v).astype(np.float32, copy=False)
+                            for n, v in self.buffers.items()})
 
     def _save_interrupted(self, base: str) -> None:
         """Ctrl-C without --checkpoint: save in this run's own folder under ``base``, never

@@ -370,7 +370,7 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
                           training=True, seed=opts.seed,
                           denormal_stats=opts.denormal_report is not None,
                           external_values=external.array if external is not None else None,
-                          fed=graph.params)   # the trainer's weights: fed, never a copy here
+                          fed=[*graph.params, *graph.buffer_updates])   # the trainer's: fed
     except ExecutorError as exc:
         raise GraphoptError(one_line(exc)) from None
     if session.numerics is not None and hasattr(session.numerics, "describe"):
@@ -670,8 +670,8 @@ def _finish(opts: RunOptions, outcome: RunOutcome, say, echo,
         # the trained weights first: a failure or SIGTERM in an optional output after them
         # (the plot, the reports) loses nothing that cost training. The forward model as
         # given (no YieldOp, no gradients), with the trained weights
-        written = save_model(with_weights(outcome.forward,
-                                          with_tied_copies(result.params, outcome.graph.tied)),
+        trained = {**with_tied_copies(result.params, outcome.graph.tied), **result.buffers}
+        written = save_model(with_weights(outcome.forward, trained),
                              opts.output,
                              protect=protect, external=outcome.external)
         for path in written:

@@ -18,6 +18,7 @@ from graphopt.ir import normalize_domain
 from graphopt.modelio import tensor_value
 from graphopt.report import Report
 from graphopt.training import TrainingGraph
+from graphopt.training.batch_norm import running_statistics
 from graphopt.training.prepare import prepare_training
 from graphopt.training.recompute import Recomputation, recompute_layers
 from graphopt.training.selection import (
@@ -34,6 +35,8 @@ class RunGraph(TrainingGraph):
     # float32 starting values of the trained weights, each an array of its own: a trainer
     # updates them in place (its master weights in fp32 precision: no second copy)
     initial: dict[str, np.ndarray] = field(default_factory=dict)
+    # float32 starting values of the running statistics a step updates (buffer_updates)
+    buffers: dict[str, np.ndarray] = field(default_factory=dict)
     reports: list[tuple[str, Report]] = field(default_factory=list)
     fingerprint: str = ""             # what a checkpoint must match to resume (see below)
     recomputation: Recomputation | None = None   # --recompute layers: what is computed twice
@@ -63,8 +66,10 @@ def build(forward: onnx.ModelProto, *, loss: str | None = None, labels: str | No
     current = {t.name: t for t in graph.proto.graph.initializer}
     initial = {name: trainable_copy(tensor_value(originals.get(name, current[name]), external))
                for name in graph.params}
+    buffers = {name: trainable_copy(tensor_value(originals.get(name, current[name]), external))
+               for name in graph.buffer_updates}
     contract = {f.name: getattr(graph, f.name) for f in dataclasses.fields(TrainingGraph)}
-    return RunGraph(**contract, initial=initial, reports=reports,
+    return RunGraph(**contract, initial=initial, buffers=buffers, reports=reports,
                     fingerprint=fingerprint(forward, graph.params, loss, labels, external),
                     recomputation=recomputation)
 
@@ -152,7 +157,12 @@ def describe_params(forward: onnx.ModelProto, params: list[str], freeze=(), trai
                      "weight, trained as that weight and written back from it; --untie "
                      "trains them apart)")
     default, left_out = classify_initializers(forward)
-    chosen = set(params) | set(tied or ())
+    statistics = running_statistics(forward.graph)
+    if statistics:
+        lines.append(f"running statistics: {listed_names(statistics)} (BatchNorm as in "
+                     "model.train(): each step normalises by its batch and updates these; a "
+                     "held-out evaluation and the model -o writes use them)")
+    chosen = set(params) | set(tied or ()) | set(statistics)
     frozen = [n for n in default if n not in chosen]
     if frozen:
         left_out = {"frozen": frozen, **left_out}

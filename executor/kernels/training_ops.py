@@ -280,6 +280,69 @@ def bias_fast_gelu_grad_dx(ctx, node, dy, x, bias):
     return _with_dtype(lambda g, v, b: gelu_tanh_grad_times(ctx.xp, g, v + b), dy, x, bias)
 
 
+@_ms("BatchNormInternal")
+def batch_norm_training(ctx, node, x, scale, bias, mean, var, training_mode=None):
+    """ONNX Runtime's training BatchNormalization: (Y, running mean, running var, batch
+    mean, batch inverse std). The batch statistics are over every axis but the channels
+    (1); the running variance takes the unbiased batch variance, as PyTorch and cuDNN do.
+    In Session.inference_mode (a held-out evaluation) it normalises with the running statistics
+    and returns them unchanged, as model.eval() does."""
+    xp = ctx.xp
+    epsilon = node.attr("epsilon")
+    channels = (1, -1) + (1,) * (x.ndim - 2)
+    ct = np.promote_types(compute_dtype(x.dtype), mean.dtype)
+    x_c = x.astype(ct, copy=False)
+    training = node.attr("training_mode") != 0 if training_mode is None \
+        else bool(ctx.host_scalar(training_mode))
+    training = training and not ctx.evaluating
+    if training:
+        axes = (0,) + tuple(range(2, x.ndim))
+        batch_mean = x_c.mean(axis=axes)
+        centered = x_c - batch_mean.reshape(channels)
+        batch_var = xp.square(centered).mean(axis=axes)
+        count = x.size // max(x.shape[1], 1)
+        momentum = node.attr("momentum")
+        unbiased = batch_var * (count / (count - 1)) if count > 1 else batch_var
+        running_mean = mean * momentum + batch_mean * (1 - momentum)
+        running_var = var * momentum + unbiased * (1 - momentum)
+    else:
+        batch_mean, batch_var = mean.astype(ct), var.astype(ct)
+        centered = x_c - batch_mean.reshape(channels)
+        running_mean, running_var = mean, var
+    inv_std = 1 / xp.sqrt(batch_var + epsilon)
+    y = centered
+    y *= (inv_std * scale.astype(ct, copy=False)).reshape(channels)
+    y += bias.astype(ct, copy=False).reshape(channels)
+    stat = mean.dtype
+    return (y.astype(x.dtype, copy=False), running_mean.astype(stat, copy=False),
+            running_var.astype(stat, copy=False), batch_mean.astype(stat, copy=False),
+            inv_std.astype(stat, copy=False))
+
+
+@_ms("BatchNormalizationGrad")
+def batch_normalization_grad(ctx, node, dy, x, scale, mean, inv_std):
+    """d(X, scale, B) of training-mode BatchNormalization, from the batch statistics:
+    dX = scale * inv_std * (dY - mean(dY) - xhat * mean(dY * xhat)), over every axis but
+    the channels (1)."""
+    channels = (1, -1) + (1,) * (x.ndim - 2)
+    axes = (0,) + tuple(range(2, x.ndim))
+    ct = np.promote_types(compute_dtype(x.dtype), mean.dtype)
+    dy_c = dy.astype(ct, copy=False)
+    xhat = x.astype(ct, copy=False) - mean.astype(ct, copy=False).reshape(channels)
+    xhat *= inv_std.astype(ct, copy=False).reshape(channels)
+    bias_grad = dy_c.sum(axis=axes)
+    scale_grad = (dy_c * xhat).sum(axis=axes)
+    count = x.size // max(x.shape[1], 1)
+    dx = xhat
+    dx *= (scale_grad / count).reshape(channels)
+    dx *= -1
+    dx += dy_c
+    dx -= (bias_grad / count).reshape(channels)
+    dx *= (scale.astype(ct, copy=False) * inv_std.astype(ct, copy=False)).reshape(channels)
+    return (dx.astype(x.dtype, copy=False), scale_grad.astype(scale.dtype, copy=False),
+            bias_grad.astype(scale.dtype, copy=False))
+
+
 @_ms("LayerNormalizationGrad")
 def layer_normalization_grad(ctx, node, dy, x, scale, mean, inv_std):
     axis = norm_axis(node.attr("axis"), x.ndim)

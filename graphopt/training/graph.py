@@ -39,8 +39,10 @@ class TrainingGraph:
     ``loss_grads``: the YieldOp outputs, fed the gradient of each loss (the loss scale);
     ``input_grads``: graph inputs that also get a gradient, and its output; ``frozen``: the
     floating-point initializers that are not trained; ``tied``: the forward model's copies of
-    a trained weight, trained as that weight (written back from it). Building one checks it
-    against the proto and records it in the proto's metadata.
+    a trained weight, trained as that weight (written back from it); ``buffer_updates``:
+    state a step updates without a gradient (BatchNorm's running statistics), buffer ->
+    the graph output holding its value after the step, which the next step is fed. Building
+    one checks it against the proto and records it in the proto's metadata.
     """
     proto: onnx.ModelProto
     params: list[str]
@@ -52,6 +54,7 @@ class TrainingGraph:
     # tied copies of trained weights (see .ties): copy -> {"source": name, "transposed": bool};
     # the graph computes each copy from its source, whose gradient sums both uses
     tied: dict[str, dict] = field(default_factory=dict)
+    buffer_updates: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         problem = _inconsistency(self)
@@ -80,13 +83,14 @@ class TrainingGraph:
         names it lists must still be there."""
         return TrainingGraph(proto, list(self.params), dict(self.grads), list(self.losses),
                              list(self.loss_grads), dict(self.input_grads), list(self.frozen),
-                             dict(self.tied))
+                             dict(self.tied), dict(self.buffer_updates))
 
     def metadata(self) -> dict:
         return {"version": METADATA_VERSION, "params": self.params, "grads": self.grads,
                 "losses": self.losses, "loss_grads": self.loss_grads,
                 "input_grads": self.input_grads, "frozen": self.frozen,
-                **({"tied": self.tied} if self.tied else {})}
+                **({"tied": self.tied} if self.tied else {}),
+                **({"buffer_updates": self.buffer_updates} if self.buffer_updates else {})}
 
 
 def discover(model: onnx.ModelProto) -> TrainingGraph:
@@ -151,6 +155,13 @@ def _inconsistency(tg: TrainingGraph) -> str | None:
             return f"tied copy {copy!r} is not the copy of a trained parameter"
         if copy in initializers or copy in tg.params:
             return f"tied copy {copy!r} is still an initializer of its own"
+    for buffer, updated in tg.buffer_updates.items():
+        if buffer in tg.params:
+            return f"buffer {buffer!r} is also a trained parameter"
+        if buffer not in initializers or buffer not in inputs:
+            return f"buffer {buffer!r} is not an initializer fed as a graph input"
+        if updated not in outputs:
+            return f"the update of buffer {buffer!r}, {updated!r}, is not a graph output"
     wanted = [(tg.params, initializers, "trained parameter", "initializer"),
               (tg.frozen, initializers, "frozen tensor", "initializer"),
               (list(tg.grads.values()), outputs, "gradient", "graph output"),
@@ -197,7 +208,7 @@ def _tie_dict(value) -> bool:
 
 _FIELDS = {"params": _str_list, "grads": _str_dict, "losses": _str_list,
            "loss_grads": _str_list, "input_grads": _str_dict, "frozen": _str_list}
-_OPTIONAL_FIELDS = {"tied": _tie_dict}
+_OPTIONAL_FIELDS = {"tied": _tie_dict, "buffer_updates": _str_dict}
 
 
 def _from_metadata(model: onnx.ModelProto, text: str) -> TrainingGraph:
@@ -220,7 +231,7 @@ def _from_metadata(model: onnx.ModelProto, text: str) -> TrainingGraph:
                                 f"{hint}")
     for name, valid in _OPTIONAL_FIELDS.items():
         if name in data and not valid(data[name]):
-            raise GraphoptError(f"{where}: {name!r} is not a map of tied copies; {hint}")
+            raise GraphoptError(f"{where}: {name!r} is not a map of names; {hint}")
     unknown = sorted(set(data) - set(_FIELDS) - set(_OPTIONAL_FIELDS) - {"version"})
     if unknown:
         raise GraphoptError(f"{where} has unknown field(s) {', '.join(unknown)}; {hint}")

@@ -28,6 +28,7 @@ from ..ir import Model, external_tensors
 from ..modelio import load_external_data, tensor_value
 from ..registry import all_rules
 from ..report import Report
+from .batch_norm import batch_norms_in_training_mode, expose_updates
 from .builder import build_training_graph, list_weights_as_inputs
 from .float16 import to_float16
 from .graph import TrainingGraph, has_yield
@@ -57,7 +58,9 @@ def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
     they stay references in the training graph, read where a rule needs a value; a float16
     copy reads them all. Trained weights the exporter wrote twice (a tied output projection
     folded into its transpose, :mod:`.ties`) are trained as one, listed in the graph's
-    ``tied``; ``untie`` trains them apart."""
+    ``tied``; ``untie`` trains them apart. BatchNormalization runs as in ``model.train()``
+    (:mod:`.batch_norm`): the running statistics it updates are the graph's
+    ``buffer_updates``."""
     def optimize(proto, **options):
         model = Model(proto)   # proto is this function's own copy: no second one
         model.external = external
@@ -89,7 +92,8 @@ def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
     staged.CopyFrom(forward)
     params, ties = untied_params(forward, params, untie, external)
     tie(staged, ties)
-    list_weights_as_inputs(staged.graph, params)
+    buffers = batch_norms_in_training_mode(staged)
+    list_weights_as_inputs(staged.graph, params + list(buffers))
     early = differentiable_fusions(level, disable)
     staged, report = optimize(staged, level=1, enable=early, disable=list(disable))
     title = "forward graph, level 1" + (f" and {', '.join(early)}" if early else "")
@@ -103,7 +107,8 @@ def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
                          ignore_index=ignore_index)
     graph = build_training_graph(staged, labels_name=labels, train=params,
                                  trainable=params, **arguments)
-    graph = dataclasses.replace(graph, tied=tie_entries(ties))
+    expose_updates(graph.proto.graph, buffers)
+    graph = dataclasses.replace(graph, tied=tie_entries(ties), buffer_updates=buffers)
     optimized, report = optimize(graph.proto, level=level, disable=list(disable))
     reports.append((f"training graph, level {level}", report))
     return _check_trains(graph.with_proto(optimized)), reports

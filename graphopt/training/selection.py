@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from ..errors import GraphoptError
 from ..vocabulary import FLOAT_TYPES
 from . import gradients  # noqa: F401  (registers the built-in gradient definitions)
+from .batch_norm import is_batch_norm
 from .paths import gradient_blocked
 from .registry import gradient_of
 
@@ -108,16 +109,23 @@ BUFFER_NAMES = ("*inv_freq", "*running_mean", "*running_var", "*_cached", "*mask
 # such a matrix is still the layer's parameter, whatever its name says.
 _LAYER_WEIGHTS = {("MatMul", 1), ("MatMul", 0), ("Gemm", 1), ("Gemm", 0), ("Conv", 1),
                   ("ConvTranspose", 1)}
+# (op type, input index) of a layer's bias: a BatchNorm the exporter folded into its Conv
+# leaves the Conv a new weight and bias (TorchScript: onnx::Conv_27, onnx::Conv_28), both
+# trained as the Conv's parameters
+_LAYER_BIASES = {("Gemm", 2), ("Conv", 2), ("ConvTranspose", 2)}
 
 
-def _layer_weights(graph) -> set[str]:
-    """Tensors of rank >= 2 read as the weight of a MatMul, Gemm or Conv."""
-    found = set()
+def _layer_weights(graph) -> tuple[set[str], set[str]]:
+    """(tensors read as the weight of a MatMul, Gemm or Conv, tensors read as the bias of
+    a Gemm or Conv)."""
+    weights, biases = set(), set()
     for node in graph.node:
         for index, name in enumerate(node.input):
             if (node.op_type, index) in _LAYER_WEIGHTS:
-                found.add(name)
-    return found
+                weights.add(name)
+            elif (node.op_type, index) in _LAYER_BIASES:
+                biases.add(name)
+    return weights, biases
 
 
 def _shape_only_readers(graph) -> set[str]:
@@ -142,14 +150,15 @@ def classify_initializers(model) -> tuple[list[str], dict[str, list[str]]]:
     """What ``graphopt run`` trains by default: (parameters in model order, {reason: names
     left out}). A parameter is a floating-point initializer that is not a scalar, not named
     as exporters name their constants (:data:`EXPORTER_CONSTANT_NAMES`; a matrix read as the
-    weight of a MatMul, Gemm or Conv is a folded weight whatever its name), not read only
+    weight of a MatMul, Gemm or Conv, and a Gemm's or Conv's bias, are folded parameters
+    whatever their names), not read only
     by shape computations, not named as a module buffer (:data:`BUFFER_NAMES`) and not
     cut off from the outputs' gradient by ops without a gradient definition (see
     :func:`gradient_blockers`), so rotary tables, attention scales and mask constants of an
     exported transformer keep their values, as they do in the PyTorch module."""
     graph = model.graph
     shape_only = _shape_only_readers(graph)
-    layer_weights = _layer_weights(graph)
+    layer_weights, layer_biases = _layer_weights(graph)
     params: list[str] = []
     left_out: dict[str, list[str]] = {key: [] for key in NOT_TRAINED_REASONS}
     for tensor in graph.initializer:
@@ -159,7 +168,8 @@ def classify_initializers(model) -> tuple[list[str], dict[str, list[str]]]:
         elif len(tensor.dims) == 0:
             reason = "scalar"
         elif (any(fnmatch.fnmatchcase(name, p) for p in EXPORTER_CONSTANT_NAMES)
-              and not (name in layer_weights and len(tensor.dims) >= 2)):
+              and not (name in layer_weights and len(tensor.dims) >= 2)
+              and name not in layer_biases):
             reason = "exporter"
         elif name in shape_only:
             reason = "shape"
@@ -177,10 +187,11 @@ def classify_initializers(model) -> tuple[list[str], dict[str, list[str]]]:
 
 def gradient_blockers(model, names: Sequence[str]) -> dict[str, list[str]]:
     """The initializers among ``names`` whose every path to the model's outputs crosses an
-    op without a gradient definition: {name: those op types}."""
+    op without a gradient definition: {name: those op types}. A BatchNormalization has one:
+    training runs it in training mode (:mod:`.batch_norm`)."""
     graph = model.graph
     return gradient_blocked(graph, names, [o.name for o in graph.output],
-                            lambda node: gradient_of(node) is not None)
+                            lambda node: gradient_of(node) is not None or is_batch_norm(node))
 
 
 def listed_names(names: list[str], limit: int = 6) -> str:

@@ -164,6 +164,16 @@ class DistributedTrainer(Trainer):
         self._agreed_stop = bool(totals[2] > 0)
         return float(totals[0] / self.comm.size), grads, bool(totals[1] == 0)
 
+    def _update_buffers(self, out: dict) -> None:
+        """Rank 0's running statistics on every rank, as DistributedDataParallel broadcasts
+        its buffers (each rank's own batch share would give each its own)."""
+        super()._update_buffers(out)
+        for name, value in self.buffers.items():
+            host = np.ascontiguousarray(to_host(value))
+            self.comm.bcast_array(host, self.step + 1, "the broadcast of rank 0's running "
+                                  "statistics")
+            self.buffers[name] = self._placed({name: host})[name]
+
     def _stop_requested(self, stop) -> bool:
         return self._agreed_stop
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...vocabulary import MS_DOMAIN
+from ..batch_norm import TRAINING_OP as BATCH_NORM_TRAINING
 from ..registry import GradientContext, gradient
 
 
@@ -49,6 +51,19 @@ def layer_normalization(ctx: GradientContext):
     inv_std = ctx.forward_output(2, "inv_std_dev")
     return ctx.ms("LayerNormalizationGrad", ctx.dy, ctx.input(0), ctx.input(1), mean, inv_std,
                   axis=ctx.attr_or_default("axis"), outputs=3)
+
+
+@gradient(BATCH_NORM_TRAINING, domain=MS_DOMAIN)
+def batch_norm_training(ctx: GradientContext):
+    """ONNX Runtime's BatchNormalizationGrad -> dX, dscale, dB, fed the batch mean and
+    inverse standard deviation the forward pass saved (the running statistics get none)."""
+    if any(ctx.output_grad(i) for i in range(1, 5)):
+        raise ctx.fail("a gradient through its statistics outputs is not supported")
+    mean = ctx.forward_output(3, "saved_mean")
+    inv_std = ctx.forward_output(4, "saved_inv_std")
+    grads = ctx.ms("BatchNormalizationGrad", ctx.dy, ctx.input(0), ctx.input(1), mean, inv_std,
+                   epsilon=ctx.attr_or_default("epsilon"), outputs=3)
+    return [*grads, None, None]
 
 
 @gradient("SoftmaxCrossEntropyLoss")

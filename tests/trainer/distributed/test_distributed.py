@@ -116,6 +116,27 @@ def test_resume_restarts_the_whole_job_from_the_last_checkpoint(tmp_path, files)
     np.testing.assert_allclose([r["loss"] for r in history], reference.losses, rtol=1e-5)
 
 
+@needs_mpi
+def test_every_rank_keeps_rank_0s_batch_norm_statistics(tmp_path):
+    """Each rank normalises by its own share of the batch; the running statistics are rank
+    0's everywhere afterwards, as DistributedDataParallel broadcasts its buffers."""
+    fixture = os.path.join(os.path.dirname(MLP), "cnn_bn_ts17.onnx")
+    rng = np.random.default_rng(8)
+    data = write_npz(tmp_path / "d.npz", {
+        "x": rng.standard_normal((32, 2, 8, 8)).astype(np.float32),
+        "labels": rng.integers(0, 5, 32).astype(np.int64)})
+    done, _ = mpiexec(2, WORKER, "batchnorm", str(tmp_path), fixture, data)
+    assert done.returncode == 0, done.stderr
+    ranks = [np.load(tmp_path / f"rank{r}.npz") for r in (0, 1)]
+    initial = read_weights(fixture)
+    statistics = [k for k in ranks[0].files if k.startswith("buffer/")]
+    assert len(statistics) == 4
+    for key in ranks[0].files:
+        np.testing.assert_array_equal(ranks[1][key], ranks[0][key], err_msg=key)
+    for key in statistics:
+        assert not np.allclose(ranks[0][key], initial[key.removeprefix("buffer/")]), key
+
+
 # -- overflow agreement ---------------------------------------------------------------------
 @needs_mpi
 def test_one_ranks_overflow_skips_the_step_on_every_rank(tmp_path, files):

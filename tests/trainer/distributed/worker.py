@@ -6,6 +6,8 @@ Scenarios (faults are injected here, in the test, not in the product):
   die       rank 1 exits abruptly (os._exit) after step 3.
   hang      rank 1 stops responding (sleeps) after step 3.
   error     rank 1 raises an error after step 3.
+  batchnorm MODEL has BatchNorm: 4 SGD steps; every rank writes OUT/rank<r>.npz (weights and
+            running statistics).
 """
 from __future__ import annotations
 
@@ -63,6 +65,13 @@ def main() -> None:
                 finite = finite and current["step"] != 6
             return grads, finite
 
+    if scenario == "batchnorm":
+        result = run(RunOptions(model=model, data=data, loss="cross_entropy", steps=4,
+                                batch_size=8, optimizer="sgd", lr=0.1, seed=3, device="cpu",
+                                quiet=True, distributed=True, dist_timeout=timeout)).result
+        np.savez(os.path.join(out, f"rank{rank}.npz"), **result.params,
+                 **{f"buffer/{k}": v for k, v in result.buffers.items()})
+        return
     outcome = run(RunOptions(model=model, data=data, loss="cross_entropy", steps=9,
                              batch_size=8, optimizer="adamw", lr=0.01, seed=3, device="cpu",
                              loss_scale="dynamic:1024:1000", quiet=True, distributed=True,
