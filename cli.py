@@ -314,7 +314,11 @@ def list_rules():
               help="Default adamw.")
 @click.option("--lr", type=float, help="Learning rate (default 1e-3).")
 @click.option("--weight-decay", type=float,
-              help="L2 for sgd/momentum (default 0), decoupled for adamw (default 0.01).")
+              help="L2 for sgd/momentum (default 0), decoupled for adamw (default 0.01); "
+                   "biases and norm weights (tensors of rank < 2) are exempt, as in "
+                   "transformers' Trainer.")
+@click.option("--weight-decay-all", is_flag=True,
+              help="Decay every tensor, biases and norm weights too (a bare torch.optim).")
 @click.option("--lr-schedule", type=click.Choice(["constant", "linear", "cosine"]),
               help="Learning-rate schedule after --warmup (default constant), as transformers'.")
 @click.option("--warmup", type=click.IntRange(min=0), metavar="N",
@@ -395,11 +399,11 @@ def list_rules():
               help="All-reduce gradient buckets during the backward pass (default) or after.")
 @user_errors
 def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer, lr,
-        weight_decay, precision, loss_scale, device, numerics, level, freeze, train_, disable,
-        seed, save_graph, checkpoint, checkpoint_every, resume, log_file, plot, denormal_report,
-        output, in_place, quiet, distributed, bucket_mb, dist_timeout, dist_check_every,
-        dist_overlap, list_params, ignore_index, lr_schedule, warmup, clip_grad_norm,
-        eval_data, eval_every, allow_changed_graph, class_axis, untie,
+        weight_decay, weight_decay_all, precision, loss_scale, device, numerics, level,
+        freeze, train_, disable, seed, save_graph, checkpoint, checkpoint_every, resume,
+        log_file, plot, denormal_report, output, in_place, quiet, distributed, bucket_mb,
+        dist_timeout, dist_check_every, dist_overlap, list_params, ignore_index, lr_schedule,
+        warmup, clip_grad_norm, eval_data, eval_every, allow_changed_graph, class_axis, untie,
         split_shared, recompute):
     """Train MODEL (or a built-in --example) with the graphopt executor.
 
@@ -415,7 +419,8 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
     options = RunOptions(
         model=model, example=example, data=data, loss=loss, labels=labels, steps=steps,
         epochs=epochs, batch_size=batch_size, optimizer=optimizer, lr=lr,
-        weight_decay=weight_decay, precision=precision, loss_scale=loss_scale, device=device,
+        weight_decay=weight_decay, weight_decay_all=weight_decay_all or None,
+        precision=precision, loss_scale=loss_scale, device=device,
         numerics=numerics, level=level, freeze=freeze, train=train_, disable=disable,
         seed=seed, save_graph=save_graph, checkpoint=checkpoint,
         checkpoint_every=checkpoint_every, resume=resume,

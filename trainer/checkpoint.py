@@ -640,6 +640,7 @@ SETTINGS: dict[str, Callable] = {
     "clip_grad_norm": lambda v, w: None if v is None else _number(v, w, positive=True),
     "class_axis": lambda v, w: None if v is None else _int(v, w, -64, 63),
     "untie": lambda v, w: _bool(v, w),
+    "weight_decay_all": lambda v, w: _bool(v, w),
     "split_shared": lambda v, w: _bool(v, w),
 }
 
@@ -742,7 +743,10 @@ def _validate(meta: dict, params: dict, optimizer_arrays: dict) -> None:
     _int(optimizer.get("steps"), "optimizer steps", applied, applied)
     _number(optimizer.get("lr"), "optimizer lr", positive=True)
     for key, value in optimizer.items():
-        if key not in ("name", "steps"):
+        if key == "decay_all":
+            if not isinstance(value, bool):
+                raise InvalidField(f"optimizer decay_all is {value!r}, not true/false")
+        elif key not in ("name", "steps"):
             _number(value, f"optimizer {key}", low=0)
     scaler = _dict(meta, "scaler")
     kind = scaler.get("kind")

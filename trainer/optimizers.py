@@ -5,6 +5,10 @@ Every optimizer updates ``params`` (name -> numpy array) in place from ``grads``
 float32 array) and keeps its state as named arrays plus a few scalars, which the checkpoint
 stores as they are (bit-exact resume).
 
+Weight decay, as the transformers Trainer (and nanoGPT) apply it, skips biases and norm
+weights: tensors of rank < 2 are updated without it, matrices, convolution kernels and
+embeddings with it. ``decay_all`` decays every tensor, as a bare torch.optim optimizer does.
+
 Parameters may also live on a GPU (CuPy arrays): the state is then created on the same
 device, ``state()`` still hands the checkpoint host arrays, and AdamW updates each parameter
 with one fused kernel (``ADAMW_BODY``) that does NumPy's float32 operations in NumPy's order
@@ -43,7 +47,7 @@ class Optimizer:
     default_weight_decay = 0.0   # without --weight-decay
     slot_names: tuple[str, ...] = ()   # the arrays it keeps per weight (after its first step)
 
-    def __init__(self, lr: float, weight_decay: float = 0.0):
+    def __init__(self, lr: float, weight_decay: float = 0.0, decay_all: bool = False):
         # an infinite rate or decay would only turn every weight into NaN at the first step
         if not (lr > 0 and math.isfinite(lr)):
             raise GraphoptError(f"--lr must be a finite number > 0, not {lr}")
@@ -51,6 +55,7 @@ class Optimizer:
             raise GraphoptError(f"--weight-decay must be a finite number >= 0, not {weight_decay}")
         self.lr = float(lr)
         self.weight_decay = float(weight_decay)
+        self.decay_all = bool(decay_all)   # False: no decay on tensors of rank < 2
         self.steps = 0  # updates applied (skipped loss-scale steps do not count)
         self.slots: dict[str, dict[str, np.ndarray]] = {}
 
@@ -58,12 +63,28 @@ class Optimizer:
              lr_factor: float = 1.0) -> None:
         """One update; ``lr_factor`` scales ``lr`` for this update only (a schedule)."""
         self.steps += 1
-        base = self.lr
+        base, decay = self.lr, self.weight_decay
         self.lr = base * lr_factor
         try:
-            self._update_host(params, grads)
+            for group_decay, group in self.decay_groups(params):
+                self.weight_decay = group_decay
+                self._step_group(group, grads)
         finally:
-            self.lr = base
+            self.lr, self.weight_decay = base, decay
+
+    def decay_groups(self, params: dict) -> list[tuple[float, dict]]:
+        """(weight decay, the weights updated with it): one group, or the decayed tensors
+        (rank >= 2) and the rest (biases, norm weights) at 0, the empty one left out."""
+        if self.decay_all or not self.weight_decay:
+            return [(self.weight_decay, params)]
+        decayed = {n: p for n, p in params.items() if p.ndim >= 2}
+        exempt = {n: p for n, p in params.items() if p.ndim < 2}
+        return [(d, group) for d, group in ((self.weight_decay, decayed), (0.0, exempt))
+                if group]
+
+    def _step_group(self, params: dict, grads: dict) -> None:
+        """The update of one decay group, ``lr`` and ``weight_decay`` set for it."""
+        self._update_host(params, grads)
 
     def _update_host(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray]
                      ) -> None:
@@ -129,10 +150,12 @@ class Optimizer:
         arrays = {f"{param}/{slot}": to_host(value) for param, slots in self.slots.items()
                   for slot, value in slots.items()}
         return {"name": self.name, "lr": self.lr, "weight_decay": self.weight_decay,
-                "steps": self.steps, **self._hyper()}, arrays
+                "decay_all": self.decay_all, "steps": self.steps, **self._hyper()}, arrays
 
     def load_state(self, scalars: dict, arrays: dict[str, np.ndarray]) -> None:
         mine, _ = self.state()
+        # a checkpoint without the key decayed every tensor
+        scalars = {"decay_all": True, **scalars}
         for key in mine:
             if key != "steps" and scalars.get(key) != mine[key]:
                 raise GraphoptError(
@@ -178,8 +201,8 @@ class Momentum(Optimizer):
     name = "momentum"
     slot_names = ("momentum",)
 
-    def __init__(self, lr, weight_decay=0.0, momentum: float = 0.9):
-        super().__init__(lr, weight_decay)
+    def __init__(self, lr, weight_decay=0.0, decay_all: bool = False, momentum: float = 0.9):
+        super().__init__(lr, weight_decay, decay_all)
         self.momentum = float(momentum)
 
     def _hyper(self):
@@ -204,36 +227,32 @@ class AdamW(Optimizer):
     slot_names = ("exp_avg", "exp_avg_sq")
     default_weight_decay = 0.01   # torch.optim.AdamW's
 
-    def __init__(self, lr, weight_decay=0.01, betas=(0.9, 0.999), eps: float = 1e-8):
-        super().__init__(lr, weight_decay)
+    def __init__(self, lr, weight_decay=0.01, decay_all: bool = False, betas=(0.9, 0.999),
+                 eps: float = 1e-8):
+        super().__init__(lr, weight_decay, decay_all)
         self.beta1, self.beta2 = (float(b) for b in betas)
         self.eps = float(eps)
-        self._flat: tuple | None = None  # (layout, flat arrays, spans) of _flat_step
+        # layout -> (flat arrays, spans) of _flat_step: one per decay group
+        self._flat: dict[tuple, tuple] = {}
 
     def _hyper(self):
         return {"beta1": self.beta1, "beta2": self.beta2, "eps": self.eps}
 
     def release(self) -> None:
         super().release()
-        self._flat = None
+        self._flat = {}
 
-    def step(self, params, grads, lr_factor: float = 1.0) -> None:
+    def _step_group(self, params, grads) -> None:
         device = [name for name, param in params.items() if array_module(param) is not np]
         if not device:
             if (all(param.dtype == np.float32 for param in params.values())
                     and sum(param.size for param in params.values()) <= FLAT_STEP_LIMIT):
-                return self._flat_step(params, grads, lr_factor)
-            return super().step(params, grads, lr_factor)
-        self.steps += 1
-        base = self.lr
-        self.lr = base * lr_factor   # a schedule's factor, for this update only
-        try:
-            self._update_host({name: param for name, param in params.items()
-                               if name not in device}, grads)
-            for name in device:
-                self._fused_update(name, params[name], grads[name])
-        finally:
-            self.lr = base
+                return self._flat_step(params, grads)
+            return self._update_host(params, grads)
+        self._update_host({name: param for name, param in params.items()
+                           if name not in device}, grads)
+        for name in device:
+            self._fused_update(name, params[name], grads[name])
         return None
 
     def _scalars(self):
@@ -252,43 +271,37 @@ class AdamW(Optimizer):
         kernel = _adamw_kernel(xp)
         kernel(grad, *self._scalars(), param, m, v)
 
-    def _flat_step(self, params, grads, lr_factor: float) -> None:
+    def _flat_step(self, params, grads) -> None:
         """The host step of float32 weights as one update of all of them: the weights,
         gradients and both slots laid end to end, the same float32 operations in the same
         order (so the same bits: every one is elementwise) in about 15 NumPy calls instead of
         15 per weight (~0.5 ms of a 16 ms step for the MQA example's 16 weights). The
         slots stay one array per weight for checkpoints: views of the flat ones."""
-        self.steps += 1
-        base = self.lr
-        self.lr = base * lr_factor
-        try:
-            flat, spans = self._flat_buffers(params)
-            weights, gradients = flat["param"], flat["grad"]
-            for name, (start, stop) in spans.items():
-                weights[start:stop] = params[name].reshape(-1)
-                gradients[start:stop] = grads[name].reshape(-1)  # a float16 grad: as astype
-            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-                self._arithmetic(weights, gradients, flat["exp_avg"], flat["exp_avg_sq"])
-            for name, (start, stop) in spans.items():
-                params[name][...] = weights[start:stop].reshape(params[name].shape)
-        finally:
-            self.lr = base
+        flat, spans = self._flat_buffers(params)
+        weights, gradients = flat["param"], flat["grad"]
+        for name, (start, stop) in spans.items():
+            weights[start:stop] = params[name].reshape(-1)
+            gradients[start:stop] = grads[name].reshape(-1)  # a float16 grad: as astype
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            self._arithmetic(weights, gradients, flat["exp_avg"], flat["exp_avg_sq"])
+        for name, (start, stop) in spans.items():
+            params[name][...] = weights[start:stop].reshape(params[name].shape)
 
     def _flat_buffers(self, params) -> tuple[dict, dict]:
         """The flat float32 arrays for these weights (made again when the weights change) with
         each weight's span; each slot of self.slots a view of its flat array (a slot loaded
         from a checkpoint, or left by another layout, is copied in first)."""
         layout = tuple((name, param.shape) for name, param in params.items())
-        cached = self._flat
-        if cached is None or cached[0] != layout:
+        cached = self._flat.get(layout)
+        if cached is None:
             spans, start = {}, 0
             for name, param in params.items():
                 spans[name] = (start, start + param.size)
                 start += param.size
             flat = {key: np.zeros(start, np.float32)
                     for key in ("param", "grad", *self.slot_names)}
-            cached = self._flat = (layout, flat, spans)
-        _, flat, spans = cached
+            cached = self._flat[layout] = (flat, spans)
+        flat, spans = cached
         for name, (start, stop) in spans.items():
             slots = self.slots.setdefault(name, {})
             for slot in self.slot_names:
@@ -390,8 +403,11 @@ def _adamw_kernel(xp):
     return kernel
 
 
-def make_optimizer(name: str, lr: float, weight_decay: float | None = None) -> Optimizer:
+def make_optimizer(name: str, lr: float, weight_decay: float | None = None,
+                   decay_all: bool = False) -> Optimizer:
+    """``decay_all``: weight decay on every tensor, not only those of rank >= 2."""
     if name not in OPTIMIZERS:
         raise GraphoptError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
     cls = OPTIMIZERS[name]
-    return cls(lr, cls.default_weight_decay if weight_decay is None else weight_decay)
+    return cls(lr, cls.default_weight_decay if weight_decay is None else weight_decay,
+               decay_all)

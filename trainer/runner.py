@@ -54,6 +54,7 @@ class RunOptions:
     optimizer: str | None = None
     lr: float | None = None
     weight_decay: float | None = None
+    weight_decay_all: bool | None = None  # decay biases and norm weights too (None: not)
     precision: str | None = None          # None: the model's own (fp16 weights -> mixed)
     loss_scale: str | None = None
     device: str = "auto"
@@ -342,7 +343,7 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
     _warn_if_nothing_saved(opts, writer, say)
     scaler = parse_loss_scale(opts.loss_scale, precision)
     optimizer = make_optimizer(_pick(opts, defaults, "optimizer"), _pick(opts, defaults, "lr"),
-                               opts.weight_decay)
+                               opts.weight_decay, bool(opts.weight_decay_all))
     loss = opts.loss if opts.loss is not None else defaults.get("loss")
     labels = opts.labels if opts.labels is not None else defaults.get("labels")
 
@@ -432,7 +433,8 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
     say(f"training {len(graph.params)} tensors "
         f"({sum(v.size for v in graph.initial.values()):,} weights) for {total} steps of "
         f"{batches.batch_size} ({batches.steps_per_epoch} steps per epoch); optimizer "
-        f"{optimizer.name} lr {optimizer.lr:g}{_schedule_words(settings)}; precision "
+        f"{optimizer.name} lr {optimizer.lr:g}{_schedule_words(settings)}"
+        f"{_decay_words(optimizer, graph.initial)}; precision "
         f"{precision}; loss scale "
         f"{scaler.describe()}; device {session.device}{_kernel_words(session)}")
     if session.device == "cpu" and precision != "fp32":
@@ -484,15 +486,29 @@ def _kept(opts: RunOptions, trainer: Trainer) -> str | None:
 
 # Options a checkpoint keeps: a bare ``--resume`` continues the same run; one given again with
 # another value is an error (the length, --steps/--epochs, may change: that trains on).
-RESUMED = ("loss", "labels", "optimizer", "lr", "weight_decay", "precision", "loss_scale",
-           "batch_size", "seed", "freeze", "train", "ignore_index", "lr_schedule", "warmup",
-           "clip_grad_norm", "class_axis", "untie", "split_shared")
+RESUMED = ("loss", "labels", "optimizer", "lr", "weight_decay", "weight_decay_all", "precision",
+           "loss_scale", "batch_size", "seed", "freeze", "train", "ignore_index", "lr_schedule",
+           "warmup", "clip_grad_norm", "class_axis", "untie", "split_shared")
+
+
+def _decay_words(optimizer, weights: dict) -> str:
+    """How the weight decay applies: to which tensors, or none."""
+    if not optimizer.weight_decay:
+        return ""
+    groups = optimizer.decay_groups(weights)
+    if len(groups) == 1 and (optimizer.decay_all or groups[0][0]):
+        return f", weight decay {optimizer.weight_decay:g} on every tensor"
+    decayed = next((len(group) for decay, group in groups if decay), 0)
+    return (f", weight decay {optimizer.weight_decay:g} on the {decayed} tensors of rank >= 2 "
+            "(biases and norm weights exempt, as transformers' Trainer; --weight-decay-all "
+            "decays them too)")
 
 
 def _settings_record(opts: RunOptions, loss, labels, optimizer, precision: str,
                      batch_size: int, total: int) -> dict:
     record = {"loss": loss, "labels": labels, "optimizer": optimizer.name, "lr": optimizer.lr,
-              "weight_decay": optimizer.weight_decay, "precision": precision,
+              "weight_decay": optimizer.weight_decay,
+              "weight_decay_all": optimizer.decay_all, "precision": precision,
               "loss_scale": opts.loss_scale, "batch_size": batch_size, "seed": opts.seed,
               "freeze": list(opts.freeze), "train": list(opts.train), "steps": total,
               "ignore_index": -100 if opts.ignore_index is None else opts.ignore_index,

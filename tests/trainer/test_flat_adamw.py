@@ -18,18 +18,19 @@ def weights_and_grads(seed: int):
     return params, grads
 
 
-def per_weight_step(optimizer, params, grads, factor):
-    Optimizer.step(optimizer, params, grads, factor)  # the weight-by-weight loop
+class PerWeightAdamW(AdamW):
+    """AdamW updating weight by weight (the base class's loop), never flat."""
+    _step_group = Optimizer._step_group
 
 
 def test_flat_step_has_the_bits_of_the_weight_by_weight_step():
     flat_params, grads = weights_and_grads(0)
     loop_params = {n: p.copy() for n, p in flat_params.items()}
-    flat, loop = AdamW(0.01), AdamW(0.01)
+    flat, loop = AdamW(0.01), PerWeightAdamW(0.01)
     for step, g in enumerate(grads):
         flat.step(flat_params, g, 1.0 / (step + 1))
-        per_weight_step(loop, loop_params, g, 1.0 / (step + 1))
-    assert flat._flat is not None  # the flat path ran
+        loop.step(loop_params, g, 1.0 / (step + 1))
+    assert len(flat._flat) == 2  # the flat path ran, once per decay group
     for name in SHAPES:
         np.testing.assert_array_equal(flat_params[name], loop_params[name])
         for slot in AdamW.slot_names:
@@ -61,7 +62,8 @@ def test_float16_weights_keep_the_weight_by_weight_step():
     params["b"] = params["b"].astype(np.float16)
     optimizer = AdamW(0.01)
     optimizer.step(params, grads[0])
-    assert optimizer._flat is None and params["b"].dtype == np.float16
+    assert params["b"].dtype == np.float16
+    assert all("b" not in spans for _, spans in optimizer._flat.values())
 
 
 def test_large_weights_update_in_place_chunk_by_chunk_with_the_bits_of_a_whole_update():
@@ -74,7 +76,7 @@ def test_large_weights_update_in_place_chunk_by_chunk_with_the_bits_of_a_whole_u
     start = rng.standard_normal(size).astype(np.float32)
     grads = [rng.standard_normal(size).astype(np.float32) for _ in range(3)]
     for name, cls in OPTIMIZERS.items():
-        chunked, whole = cls(0.01, 0.1), cls(0.01, 0.1)
+        chunked, whole = cls(0.01, 0.1, decay_all=True), cls(0.01, 0.1, decay_all=True)
         param = start.copy()
         before = param.__array_interface__["data"][0]
         reference = start.copy()

@@ -50,7 +50,8 @@ def fused(tmp_path_factory):
 
 def test_fused_kernel_gives_the_numpy_optimizers_bits(fused):
     rng = np.random.default_rng(5)
-    reference, kernel_run = AdamW(lr=3e-3, weight_decay=0.1), AdamW(lr=3e-3, weight_decay=0.1)
+    reference, kernel_run = (AdamW(lr=3e-3, weight_decay=0.1, decay_all=True)
+                             for _ in range(2))
     param = rng.standard_normal(4096).astype(np.float32)
     ours = param.copy()
     m = np.zeros_like(param)
@@ -89,7 +90,7 @@ def test_cupy_accepts_the_kernel_declaration():
 def test_fused_kernel_on_the_device_gives_the_host_bits():
     cupy = cupy_with_a_device()
     rng = np.random.default_rng(9)
-    host, device = AdamW(lr=3e-3, weight_decay=0.1), AdamW(lr=3e-3, weight_decay=0.1)
+    host, device = (AdamW(lr=3e-3, weight_decay=0.1, decay_all=True) for _ in range(2))
     for dtype in (np.float32, np.float16):
         key = f"w_{np.dtype(dtype).name}"
         param = rng.standard_normal(10_000).astype(dtype)

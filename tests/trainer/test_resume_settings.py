@@ -38,7 +38,8 @@ def test_bare_resume_continues_the_saved_run_exactly(tmp_path):
                      "--steps", "6", "-o", tmp_path / "resumed.onnx")
     assert resumed.exit_code == 0, resumed.output
     assert "resumed from" in resumed.stdout and "at step 3" in resumed.stdout
-    assert "optimizer momentum lr 0.05; precision mixed; loss scale static" in resumed.stdout
+    assert "optimizer momentum lr 0.05, weight decay 0.01 on the 2 tensors of rank >= 2" \
+        in resumed.stdout and "; precision mixed; loss scale static" in resumed.stdout
     expected, found = weights(tmp_path / "whole.onnx"), weights(tmp_path / "resumed.onnx")
     for name in expected:
         np.testing.assert_array_equal(found[name], expected[name], err_msg=name)
