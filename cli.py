@@ -310,6 +310,10 @@ def list_rules():
 @click.option("--steps", type=int, help="Number of optimizer steps.")
 @click.option("--epochs", type=int, help="Number of passes over the data (instead of --steps).")
 @click.option("--batch-size", type=int, help="Samples per step (default 32).")
+@click.option("--grad-accum", type=int, metavar="N",
+              help="Accumulate the gradients of N batches of --batch-size per optimizer step "
+                   "(their mean, as transformers' Trainer): N times the batch in one batch's "
+                   "activation memory.")
 @click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adamw"]),
               help="Default adamw.")
 @click.option("--lr", type=float, help="Learning rate (default 1e-3).")
@@ -398,8 +402,8 @@ def list_rules():
 @click.option("--dist-overlap/--no-dist-overlap", default=None,
               help="All-reduce gradient buckets during the backward pass (default) or after.")
 @user_errors
-def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer, lr,
-        weight_decay, weight_decay_all, precision, loss_scale, device, numerics, level,
+def run(model, example, data, loss, labels, steps, epochs, batch_size, grad_accum, optimizer,
+        lr, weight_decay, weight_decay_all, precision, loss_scale, device, numerics, level,
         freeze, train_, disable, seed, save_graph, checkpoint, checkpoint_every, resume,
         log_file, plot, denormal_report, output, in_place, quiet, distributed, bucket_mb,
         dist_timeout, dist_check_every, dist_overlap, list_params, ignore_index, lr_schedule,
@@ -418,7 +422,7 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, optimizer
 
     options = RunOptions(
         model=model, example=example, data=data, loss=loss, labels=labels, steps=steps,
-        epochs=epochs, batch_size=batch_size, optimizer=optimizer, lr=lr,
+        epochs=epochs, batch_size=batch_size, grad_accum=grad_accum, optimizer=optimizer, lr=lr,
         weight_decay=weight_decay, weight_decay_all=weight_decay_all or None,
         precision=precision, loss_scale=loss_scale, device=device,
         numerics=numerics, level=level, freeze=freeze, train=train_, disable=disable,

@@ -630,6 +630,7 @@ SETTINGS: dict[str, Callable] = {
     "precision": lambda v, w: _one_of(v, w, PRECISIONS),
     "loss_scale": lambda v, w: _text(v, w, optional=True),
     "batch_size": lambda v, w: _int(v, w, 1),
+    "grad_accum": lambda v, w: _int(v, w, 1),
     "seed": lambda v, w: _int(v, w, 0, MAX_SEED),
     "freeze": _texts,
     "train": _texts,
@@ -707,8 +708,9 @@ def _validate(meta: dict, params: dict, optimizer_arrays: dict) -> None:
     data = _dict(meta, "data")
     size = _int(data.get("size"), "data size", 1)
     batch_size = _int(data.get("batch_size"), "data batch_size", 1, size)
+    accumulate = _int(data.get("accumulate", 1), "data accumulate", 1, size // batch_size)
     _int(data.get("seed"), "data seed")
-    per_epoch = size // batch_size
+    per_epoch = size // (batch_size * accumulate)
     epoch, index = divmod(step, per_epoch)
     _int(data.get("epoch"), "data epoch", epoch, epoch)
     _int(data.get("batch_in_epoch"), "data batch_in_epoch", index, index)

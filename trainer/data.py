@@ -176,10 +176,15 @@ def array_shapes(arrays: Mapping) -> Mapping[str, tuple[int, ...]]:
 
 
 class Batches:
-    """Batches of the arrays a training graph reads, in a seeded per-epoch order."""
+    """Batches of the arrays a training graph reads, in a seeded per-epoch order.
+
+    ``accumulate``: the micro-batches of ``batch_size`` rows one optimizer step takes
+    (gradient accumulation): step t reads rows ``t * batch_size * accumulate`` onwards of the
+    epoch's order, ``micro_batches(t)`` hands them out a micro-batch at a time."""
 
     def __init__(self, arrays: Mapping[str, np.ndarray], input_names: Sequence[str],
-                 batch_size: int, seed: int, input_types: Mapping[str, tuple] | None = None):
+                 batch_size: int, seed: int, input_types: Mapping[str, tuple] | None = None,
+                 accumulate: int = 1):
         missing = [n for n in input_names if n not in arrays]
         if missing:
             raise GraphoptError(
@@ -197,9 +202,15 @@ class Batches:
         if batch_size > self.size:
             raise GraphoptError(f"--batch-size {batch_size} is larger than the data "
                                 f"({self.size} samples)")
+        if accumulate < 1:
+            raise GraphoptError(f"--grad-accum must be >= 1, not {accumulate}")
+        if batch_size * accumulate > self.size:
+            raise GraphoptError(f"--batch-size {batch_size} x --grad-accum {accumulate} is "
+                                f"larger than the data ({self.size} samples)")
         self.batch_size = batch_size
+        self.accumulate = accumulate
         self.seed = seed
-        self.steps_per_epoch = self.size // batch_size
+        self.steps_per_epoch = self.size // (batch_size * accumulate)
         self._check_types(input_types or {})
         self._order_epoch, self._order = None, None
 
@@ -240,7 +251,19 @@ class Batches:
         """(epoch, batch index in that epoch) of a global step (0-based)."""
         return divmod(step, self.steps_per_epoch)
 
-    def batch(self, step: int) -> dict[str, np.ndarray]:
+    @property
+    def samples_per_step(self) -> int:
+        return self.batch_size * self.accumulate
+
+    def rows(self, step: int, micro: int = 0) -> np.ndarray:
+        """The data rows of micro-batch ``micro`` of a global step (0-based)."""
         epoch, index = self.position(step)
-        rows = self.order(epoch)[index * self.batch_size:(index + 1) * self.batch_size]
+        first = (index * self.accumulate + micro) * self.batch_size
+        return self.order(epoch)[first:first + self.batch_size]
+
+    def batch(self, step: int, micro: int = 0) -> dict[str, np.ndarray]:
+        rows = self.rows(step, micro)
         return {name: array[rows] for name, array in self.arrays.items()}
+
+    def micro_batches(self, step: int) -> list[dict[str, np.ndarray]]:
+        return [self.batch(step, micro) for micro in range(self.accumulate)]

@@ -333,11 +333,13 @@ class Trainer:
                                 f"this run asks for {self.settings.precision}")
         data = state.data
         mine = {"seed": self.batches.seed, "size": self.batches.size,
-                "batch_size": self.batches.batch_size}
+                "batch_size": self.batches.batch_size, "accumulate": self.batches.accumulate}
+        data = {"accumulate": 1, **data}   # written before gradient accumulation existed
         for key, value in mine.items():
             if data.get(key) != value:
                 raise GraphoptError(f"checkpoint data {key} is {data.get(key)}, this run has "
-                                    f"{value}; resume with the same data, --seed and --batch-size")
+                                    f"{value}; resume with the same data, --seed, --batch-size "
+                                    "and --grad-accum")
         self.optimizer.check_arrays(state.optimizer_arrays, state.optimizer.get("steps", 0),
                                     state.params)
 
@@ -351,7 +353,8 @@ class Trainer:
             optimizer=scalars, optimizer_arrays=arrays,
             scaler=self.scaler.state(),
             data={"seed": self.batches.seed, "size": self.batches.size,
-                  "batch_size": self.batches.batch_size, "epoch": epoch,
+                  "batch_size": self.batches.batch_size,
+                  "accumulate": self.batches.accumulate, "epoch": epoch,
                   "batch_in_epoch": index},
             history=self.history, precision=self.settings.precision,
             settings=self.settings.run_settings,
@@ -367,28 +370,57 @@ class Trainer:
         return self.step % self.batches.steps_per_epoch == 0
 
     # -- one step -------------------------------------------------------------------------
-    def train_step(self) -> dict:
-        started = time.perf_counter()
-        step = self.step
-        feeds = self.batches.batch(step)
-        for name, value in self.params.items():
+    def _micro_step(self, feeds: dict, scale: float, seed: int
+                    ) -> tuple[float, dict[str, np.ndarray], bool, dict]:
+        """Forward and backward on one (micro-)batch: (loss, unscaled gradients, finite,
+        the graph's outputs); the running statistics it computed are kept when finite."""
+        for name, value in (*self.params.items(), *self.buffers.items()):
             feeds[name] = value.astype(self.compute_dtype, copy=False)
-        for name, value in self.buffers.items():
-            feeds[name] = value.astype(self.compute_dtype, copy=False)
-        scale = self.scaler.scale
         if scale != 1.0:
             for grad_name, shape, dtype in self._loss_feeds:
                 if shape is None:
                     raise GraphoptError("loss scaling needs losses of known static shape; "
                                         "use --loss-scale none")
                 feeds[grad_name] = np.full(shape, scale, dtype)
-        _reseed(self.session, self.settings.seed * 1_000_003 + step)
+        _reseed(self.session, seed)
         # FP16 overflow is expected while a loss scale searches for its level: the step is
         # detected below and skipped, so numpy's warnings about it are noise
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             out = self._run_graph(feeds)
         loss = float(sum(np.sum(out[name], dtype=np.float64) for name in self.graph.losses))
         loss, grads, finite = self._gradients(out, scale, loss)
+        if finite and math.isfinite(loss):  # a skipped step changes nothing, statistics too
+            self._update_buffers(out)
+        return loss, grads, finite, out
+
+    def train_step(self) -> dict:
+        started = time.perf_counter()
+        step = self.step
+        scale = self.scaler.scale
+        micro_batches = self.batches.micro_batches(step)
+        seed = self.settings.seed * 1_000_003 + step
+        loss, grads, finite, out = self._micro_step(micro_batches[0], scale, seed)
+        feeds = micro_batches[0]   # the (first) micro-batch a fault report runs again
+        if len(micro_batches) > 1:
+            # gradient accumulation: the mean of the micro-batches' gradients and losses, as
+            # transformers' Trainer divides each micro-batch's loss by their count
+            total = loss
+            grads = self._accumulator(grads)
+            for micro, batch in enumerate(micro_batches[1:], start=1):
+                out.clear()
+                part, more, part_finite, out = self._micro_step(
+                    batch, scale, seed * 1_000_003 + micro)
+                if finite and not (part_finite and math.isfinite(part)):
+                    feeds = batch
+                total += part
+                finite = finite and part_finite
+                for name, grad in more.items():
+                    grads[name] += grad
+                self.session.recycle(more)
+            count = np.float32(len(micro_batches))
+            for grad in grads.values():
+                grad /= count
+            loss = total / len(micro_batches)
         # both are agreed across ranks in a distributed run: every rank decides alike
         kind = "loss" if not math.isfinite(loss) else None if finite else "gradients"
         scale_used = scale
@@ -417,8 +449,6 @@ class Trainer:
                     grad *= np.float32(coefficient)
         if applied:
             self.optimizer.step(self.params, grads, factor)
-        if kind is None:   # a skipped (non-finite) step changes nothing, statistics included
-            self._update_buffers(out)
         out.clear()  # the gradients' only other references
         self.session.recycle(grads)  # their memory serves the next step's gradients
         self.step += 1
@@ -531,6 +561,11 @@ class Trainer:
         self._not_ours = {id(memory_owner(v)) for v in feeds.values()} | self._constants
         return self.session.run(feeds, self.fetches, to_host=not self._on_device)
 
+    def _accumulator(self, grads: dict) -> dict:
+        """Gradients the next micro-batches' are added to: the first's own arrays (a
+        distributed trainer's are views of its all-reduce buckets, which it copies)."""
+        return grads
+
     def _update_buffers(self, out: dict) -> None:
         """The running statistics the step computed become the next step's (float32 arrays
         of their own: the step's outputs are recycled)."""
@@ -569,7 +604,7 @@ class Trainer:
     def run(self) -> TrainResult:
         settings = self.settings
         interrupted = False
-        items = self.batches.batch_size
+        items = self.batches.samples_per_step
         try:
             with StopFlag() as stop:
                 self.stop_flag = stop

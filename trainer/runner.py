@@ -51,6 +51,7 @@ class RunOptions:
     steps: int | None = None
     epochs: int | None = None
     batch_size: int | None = None
+    grad_accum: int | None = None         # micro-batches of batch_size per step (None: 1)
     optimizer: str | None = None
     lr: float | None = None
     weight_decay: float | None = None
@@ -379,13 +380,14 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
 
     input_types = {name: value_type(vi) for vi in graph.proto.graph.input
                    if (name := vi.name) in graph.data_inputs}
+    accumulate = batch_accumulation(opts)
     if dist is None:
         batches = Batches(arrays, graph.data_inputs, _pick(opts, defaults, "batch_size"),
-                          opts.seed, input_types)
+                          opts.seed, input_types, accumulate)
     else:
         batches = distributed.ShardedBatches(arrays, graph.data_inputs,
                                              _pick(opts, defaults, "batch_size"), opts.seed,
-                                             input_types, dist.rank, dist.size)
+                                             input_types, dist.rank, dist.size, accumulate)
     if batches.ignored:
         say(f"note: data arrays not read by the graph: {batches.ignored}")
     total = _total_steps(opts, defaults, batches)
@@ -432,7 +434,7 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
             say(line)
     say(f"training {len(graph.params)} tensors "
         f"({sum(v.size for v in graph.initial.values()):,} weights) for {total} steps of "
-        f"{batches.batch_size} ({batches.steps_per_epoch} steps per epoch); optimizer "
+        f"{_batch_words(batches)} ({batches.steps_per_epoch} steps per epoch); optimizer "
         f"{optimizer.name} lr {optimizer.lr:g}{_schedule_words(settings)}"
         f"{_decay_words(optimizer, graph.initial)}; precision "
         f"{precision}; loss scale "
@@ -487,8 +489,20 @@ def _kept(opts: RunOptions, trainer: Trainer) -> str | None:
 # Options a checkpoint keeps: a bare ``--resume`` continues the same run; one given again with
 # another value is an error (the length, --steps/--epochs, may change: that trains on).
 RESUMED = ("loss", "labels", "optimizer", "lr", "weight_decay", "weight_decay_all", "precision",
-           "loss_scale", "batch_size", "seed", "freeze", "train", "ignore_index", "lr_schedule",
-           "warmup", "clip_grad_norm", "class_axis", "untie", "split_shared")
+           "loss_scale", "batch_size", "grad_accum", "seed", "freeze", "train", "ignore_index",
+           "lr_schedule", "warmup", "clip_grad_norm", "class_axis", "untie", "split_shared")
+
+
+def batch_accumulation(opts: RunOptions) -> int:
+    """The micro-batches per step (--grad-accum; 1 without)."""
+    return 1 if opts.grad_accum is None else opts.grad_accum
+
+
+def _batch_words(batches) -> str:
+    if batches.accumulate == 1:
+        return str(batches.batch_size)
+    return (f"{batches.samples_per_step} ({batches.accumulate} accumulated micro-batches of "
+            f"{batches.batch_size})")
 
 
 def _decay_words(optimizer, weights: dict) -> str:
@@ -509,7 +523,8 @@ def _settings_record(opts: RunOptions, loss, labels, optimizer, precision: str,
     record = {"loss": loss, "labels": labels, "optimizer": optimizer.name, "lr": optimizer.lr,
               "weight_decay": optimizer.weight_decay,
               "weight_decay_all": optimizer.decay_all, "precision": precision,
-              "loss_scale": opts.loss_scale, "batch_size": batch_size, "seed": opts.seed,
+              "loss_scale": opts.loss_scale, "batch_size": batch_size,
+              "grad_accum": batch_accumulation(opts), "seed": opts.seed,
               "freeze": list(opts.freeze), "train": list(opts.train), "steps": total,
               "ignore_index": -100 if opts.ignore_index is None else opts.ignore_index,
               "lr_schedule": opts.lr_schedule or "constant", "warmup": opts.warmup or 0,

@@ -18,3 +18,19 @@ def mlp_data(samples: int = 40, seed: int = 1) -> dict[str, np.ndarray]:
 def write_npz(path, arrays) -> str:
     np.savez(path, **arrays)
     return str(path)
+
+
+def mlp_with_dynamic_batch(folder) -> str:
+    """The MLP fixture with a symbolic batch dimension (the fixture's is fixed at 4)."""
+    import onnx
+
+    model = onnx.load(MLP)
+    for value in [*model.graph.input[:1], *model.graph.output]:
+        dims = value.type.tensor_type.shape.dim
+        if dims:
+            dims[0].Clear()
+            dims[0].dim_param = "batch"
+    del model.graph.value_info[:]
+    path = os.path.join(str(folder), "mlp_dynamic_batch.onnx")
+    onnx.save(model, path)
+    return path

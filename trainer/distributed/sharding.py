@@ -20,13 +20,13 @@ class ShardedBatches(Batches):
 
     def __init__(self, arrays: Mapping[str, np.ndarray], input_names: Sequence[str],
                  batch_size: int, seed: int, input_types: Mapping[str, tuple] | None,
-                 rank: int, ranks: int):
+                 rank: int, ranks: int, accumulate: int = 1):
         # Every refusal here follows from the command, the data and the graph, the same on
         # every rank: each rank stops on its own, rank 0 says why (RefusedOnEveryRank)
         try:
             if batch_size >= 1:   # Batches refuses the others
                 check_global_batch(batch_size, ranks)
-            super().__init__(arrays, input_names, batch_size, seed, None)
+            super().__init__(arrays, input_names, batch_size, seed, None, accumulate)
             self.rank, self.ranks, self.local_batch = rank, ranks, batch_size // ranks
             types = dict(input_types or {})
             for name, (_, dims) in types.items():
@@ -44,8 +44,7 @@ class ShardedBatches(Batches):
         except GraphoptError as exc:
             raise RefusedOnEveryRank(str(exc)) from None
 
-    def batch(self, step: int) -> dict[str, np.ndarray]:
-        epoch, index = self.position(step)
-        rows = self.order(epoch)[index * self.batch_size:(index + 1) * self.batch_size]
+    def batch(self, step: int, micro: int = 0) -> dict[str, np.ndarray]:
+        rows = self.rows(step, micro)
         mine = rows[self.rank * self.local_batch:(self.rank + 1) * self.local_batch]
         return {name: array[mine] for name, array in self.arrays.items()}

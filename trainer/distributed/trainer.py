@@ -164,6 +164,10 @@ class DistributedTrainer(Trainer):
         self._agreed_stop = bool(totals[2] > 0)
         return float(totals[0] / self.comm.size), grads, bool(totals[1] == 0)
 
+    def _accumulator(self, grads: dict) -> dict:
+        # the reducer's buckets take the next micro-batch's gradients
+        return {name: grad.copy() for name, grad in grads.items()}
+
     def _update_buffers(self, out: dict) -> None:
         """Rank 0's running statistics on every rank, as DistributedDataParallel broadcasts
         its buffers (each rank's own batch share would give each its own)."""

@@ -94,6 +94,21 @@ def test_two_ranks_equal_one_rank_with_the_whole_batch(tmp_path, files, optimize
 
 
 @needs_mpi
+def test_two_ranks_accumulating_equal_one_rank_accumulating(tmp_path, files):
+    """--grad-accum 2 over 2 ranks: each micro-batch's gradients all-reduced, their mean
+    applied once per step, as one rank accumulating the same micro-batches."""
+    model, data = files
+    out = str(tmp_path / "out.onnx")
+    done, _ = mpiexec(2, *cli(model, data, "--steps", "6", "--optimizer", "adamw", "--lr",
+                              "0.01", "--grad-accum", "2", "-o", out, "-q"))
+    assert done.returncode == 0, done.stderr
+    reference = single_rank(model, data, optimizer="adamw", lr=0.01, steps=6, grad_accum=2)
+    got = read_weights(out)
+    for name, value in reference.params.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@needs_mpi
 def test_resume_restarts_the_whole_job_from_the_last_checkpoint(tmp_path, files):
     """2 ranks stop at step 6 (checkpoint by rank 0); 2 ranks resume to 12 == 1 rank x 12."""
     model, data = files
