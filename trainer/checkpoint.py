@@ -677,7 +677,10 @@ def _dict(meta: dict, key: str) -> dict:
 
 
 OPTIONAL_RECORD_NUMBERS = {"lr": {"low": 0}, "grad_norm": {"low": 0, "finite": False},
-                           "eval_loss": {"finite": False}}
+                           "eval_loss": {"finite": False},
+                           "perplexity": {"low": 0, "finite": False},
+                           "eval_perplexity": {"low": 0, "finite": False},
+                           "eval_accuracy": {"low": 0, "finite": False}}
 
 
 def _validate(meta: dict, params: dict, optimizer_arrays: dict) -> None:

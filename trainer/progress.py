@@ -12,8 +12,8 @@ from collections.abc import Callable
 from graphopt import modelio
 from graphopt.errors import GraphoptError
 
-LOG_FIELDS = ("step", "epoch", "loss", "loss_scale", "skipped", "applied", "seconds", "lr",
-              "grad_norm", "eval_loss")
+LOG_FIELDS = ("step", "epoch", "loss", "perplexity", "loss_scale", "skipped", "applied",
+              "seconds", "lr", "grad_norm", "eval_loss", "eval_perplexity", "eval_accuracy")
 
 
 class Progress:

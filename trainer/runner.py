@@ -686,8 +686,11 @@ def _finish(opts: RunOptions, outcome: RunOutcome, say, echo,
     evaluated = [r for r in result.history if r.get("eval_loss") is not None]
     if evaluated:
         best = min(evaluated, key=lambda r: r["eval_loss"])
-        say(f"eval loss: last {evaluated[-1]['eval_loss']:.4f} (step {evaluated[-1]['step']}), "
-            f"best {best['eval_loss']:.4f} (step {best['step']})")
+        last = evaluated[-1]
+        accuracy = (f"; accuracy last {100 * last['eval_accuracy']:.1f}%, perplexity last "
+                    f"{last['eval_perplexity']:.4g}" if "eval_accuracy" in last else "")
+        say(f"eval loss: last {last['eval_loss']:.4f} (step {last['step']}), "
+            f"best {best['eval_loss']:.4f} (step {best['step']}){accuracy}")
     if result.interrupted:
         where = result.checkpoint or "(nothing saved)"
         how = "terminated (SIGTERM)" if result.stop_signal == signal.SIGTERM else "interrupted"

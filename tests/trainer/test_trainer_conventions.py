@@ -8,6 +8,7 @@ same mean over the 4 samples, so graphopt with --batch-size 2 --grad-accum 2 mus
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import numpy as np
@@ -93,3 +94,53 @@ def test_a_bad_accumulation_is_one_line(tmp_path, mlp, value):
     code, _, err = cli("run", mlp, "--data", _torch_order(tmp_path, 2), "--loss",
                        "cross_entropy", "--batch-size", "2", "--grad-accum", value)
     assert code == 1 and len(err.strip().splitlines()) == 1 and "--grad-accum" in err, err
+
+
+def test_each_step_logs_the_perplexity_of_its_cross_entropy(tmp_path, mlp):
+    log = tmp_path / "log.jsonl"
+    result = run(RunOptions(model=mlp, data=_torch_order(tmp_path, 4), loss="cross_entropy",
+                            steps=3, batch_size=4, seed=3, device="cpu", quiet=True,
+                            log=str(log))).result
+    for record in result.history:
+        assert record["perplexity"] == pytest.approx(math.exp(record["loss"]), rel=1e-12)
+    logged = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["perplexity"] for r in logged] == [r["perplexity"] for r in result.history]
+
+
+def test_a_loss_that_is_no_cross_entropy_logs_no_perplexity(tmp_path, mlp):
+    rng = np.random.default_rng(1)
+    data = write_npz(tmp_path / "mse.npz", {
+        "x": rng.standard_normal((8, 64)).astype(np.float32),
+        "target": rng.standard_normal((8, 10)).astype(np.float32)})
+    result = run(RunOptions(model=mlp, data=data, loss="mse", labels="target", steps=2,
+                            batch_size=4, device="cpu", quiet=True)).result
+    assert all("perplexity" not in record for record in result.history)
+
+
+def test_held_out_accuracy_and_perplexity_are_those_of_the_written_model(tmp_path, mlp):
+    """The last evaluation against onnxruntime running the trained model -o wrote on the same
+    held-out rows: mean cross-entropy, exp of it, and argmax accuracy, the rows labelled -100
+    counted by neither."""
+    ort = pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((12, 64)).astype(np.float32)
+    labels = rng.integers(0, 10, 12).astype(np.int64)
+    labels[[1, 7]] = -100
+    held_out = write_npz(tmp_path / "held_out.npz", {"x": x, "labels": labels})
+    out = tmp_path / "trained.onnx"
+    outcome = run(RunOptions(model=mlp, data=_torch_order(tmp_path, 4), loss="cross_entropy",
+                             steps=6, batch_size=4, seed=3, device="cpu", quiet=True,
+                             eval_data=held_out, eval_every=3, output=str(out)))
+    last = outcome.result.history[-1]
+    logits = ort.InferenceSession(str(out)).run(None, {"x": x})[0].astype(np.float64)
+    counted = labels != -100
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    # the evaluation's batches are of --batch-size rows: the mean of the batch means
+    batch_losses = [-log_probs[rows][counted[rows], labels[rows][counted[rows]]].mean()
+                    for rows in (slice(0, 4), slice(4, 8), slice(8, 12))]
+    expected_loss = float(np.mean(batch_losses))
+    assert last["eval_loss"] == pytest.approx(expected_loss, rel=1e-5)
+    assert last["eval_perplexity"] == pytest.approx(math.exp(last["eval_loss"]), rel=1e-12)
+    accuracy = (logits.argmax(axis=1) == labels)[counted].mean()
+    assert last["eval_accuracy"] == pytest.approx(accuracy, abs=1e-12)
