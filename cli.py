@@ -304,6 +304,10 @@ def list_rules():
               help="cross_entropy: labels equal to N do not count (default -100, as PyTorch; "
                    "padding in language-model batches). The class axis of the logits is the "
                    "one whose removal gives the labels' shape.")
+@click.option("--padding-idx", type=int, metavar="N",
+              help="Row N of the token embedding gets no gradient from its lookups, as "
+                   "nn.Embedding(padding_idx=N) (found in dynamo exports; TorchScript drops "
+                   "it).")
 @click.option("--class-axis", type=int, metavar="AXIS",
               help="cross_entropy: the logits' class axis, where two axes could be (e.g. a "
                    "sequence as long as the vocabulary).")
@@ -406,9 +410,9 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, grad_accu
         lr, weight_decay, weight_decay_all, precision, loss_scale, device, numerics, level,
         freeze, train_, disable, seed, save_graph, checkpoint, checkpoint_every, resume,
         log_file, plot, denormal_report, output, in_place, quiet, distributed, bucket_mb,
-        dist_timeout, dist_check_every, dist_overlap, list_params, ignore_index, lr_schedule,
-        warmup, clip_grad_norm, eval_data, eval_every, allow_changed_graph, class_axis, untie,
-        split_shared, recompute):
+        dist_timeout, dist_check_every, dist_overlap, list_params, ignore_index, padding_idx,
+        lr_schedule, warmup, clip_grad_norm, eval_data, eval_every, allow_changed_graph,
+        class_axis, untie, split_shared, recompute):
     """Train MODEL (or a built-in --example) with the graphopt executor.
 
     \b
@@ -432,6 +436,7 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, grad_accu
         denormal_report=denormal_report, output=output, overwrite_input=in_place, quiet=quiet,
         distributed=distributed, bucket_mb=bucket_mb, dist_timeout=dist_timeout,
         dist_check_every=dist_check_every, dist_overlap=dist_overlap, ignore_index=ignore_index,
+        padding_idx=padding_idx,
         lr_schedule=lr_schedule, warmup=warmup, clip_grad_norm=clip_grad_norm,
         eval_data=eval_data, eval_every=eval_every, class_axis=class_axis,
         untie=untie or None, split_shared=split_shared or None, recompute=recompute)

@@ -631,6 +631,7 @@ SETTINGS: dict[str, Callable] = {
     "loss_scale": lambda v, w: _text(v, w, optional=True),
     "batch_size": lambda v, w: _int(v, w, 1),
     "grad_accum": lambda v, w: _int(v, w, 1),
+    "padding_idx": lambda v, w: None if v is None else _int(v, w, 0),
     "seed": lambda v, w: _int(v, w, 0, MAX_SEED),
     "freeze": _texts,
     "train": _texts,

@@ -78,6 +78,7 @@ class RunOptions:
     quiet: bool = False
     list_params: bool = False             # print what would be trained, then stop
     ignore_index: int | None = None       # cross_entropy labels not counted (None: -100)
+    padding_idx: int | None = None        # embedding row token lookups give no gradient
     class_axis: int | None = None         # cross_entropy: the logits' class axis (None: found)
     untie: bool | None = None             # train tied copies apart (None: tied, as PyTorch)
     split_shared: bool | None = None      # one copy per module of an exporter-merged tensor
@@ -352,6 +353,7 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
                   level=opts.level, precision=precision, disable=opts.disable,
                   label_shapes=array_shapes(arrays),
                   ignore_index=-100 if opts.ignore_index is None else opts.ignore_index,
+                  padding_idx=opts.padding_idx,
                   class_axis=opts.class_axis, external=external, untie=bool(opts.untie),
                   recompute=opts.recompute or "none")
     for title, report in graph.reports:
@@ -430,7 +432,7 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
                 f"N > {trainer.step} (or more --epochs) to train on")
     if not has_yield(forward):
         for line in describe_params(forward, graph.params, opts.freeze, opts.train,
-                                    graph.tied):
+                                    graph.tied, opts.padding_idx):
             say(line)
     say(f"training {len(graph.params)} tensors "
         f"({sum(v.size for v in graph.initial.values()):,} weights) for {total} steps of "
@@ -490,6 +492,7 @@ def _kept(opts: RunOptions, trainer: Trainer) -> str | None:
 # another value is an error (the length, --steps/--epochs, may change: that trains on).
 RESUMED = ("loss", "labels", "optimizer", "lr", "weight_decay", "weight_decay_all", "precision",
            "loss_scale", "batch_size", "grad_accum", "seed", "freeze", "train", "ignore_index",
+           "padding_idx",
            "lr_schedule", "warmup", "clip_grad_norm", "class_axis", "untie", "split_shared")
 
 
@@ -666,7 +669,8 @@ def list_params(opts: RunOptions, echo: Callable[[str], None] = print) -> list[s
     forward = _merged_parameters(opts, forward, external, echo)
     params, ties = untied_params(forward, trained_params(forward, opts.freeze, opts.train),
                                  bool(opts.untie), external)
-    lines = describe_params(forward, params, opts.freeze, opts.train, tie_entries(ties))
+    lines = describe_params(forward, params, opts.freeze, opts.train, tie_entries(ties),
+                            opts.padding_idx)
     for line in lines:
         echo(line)
     return params

@@ -19,6 +19,7 @@ from graphopt.modelio import tensor_value
 from graphopt.report import Report
 from graphopt.training import TrainingGraph
 from graphopt.training.batch_norm import running_statistics
+from graphopt.training.padding import padding_rows
 from graphopt.training.prepare import prepare_training
 from graphopt.training.recompute import Recomputation, recompute_layers
 from graphopt.training.selection import (
@@ -50,7 +51,8 @@ def build(forward: onnx.ModelProto, *, loss: str | None = None, labels: str | No
           freeze=(), train=(), level: int = 2, precision: str = "fp32",
           disable: tuple[str, ...] = (), label_shapes: dict | None = None,
           ignore_index: int | None = None, class_axis: int | None = None,
-          external=None, untie: bool = False, recompute: str = "none") -> RunGraph:
+          external=None, untie: bool = False, recompute: str = "none",
+          padding_idx: int | None = None) -> RunGraph:
     """The optimized training graph of ``forward`` for a run in ``precision`` (see
     :func:`graphopt.training.prepare_training` for the other arguments; ``external``: the open
     files holding ``forward``'s external tensors, :class:`graphopt.modelio.ExternalFiles`;
@@ -60,7 +62,8 @@ def build(forward: onnx.ModelProto, *, loss: str | None = None, labels: str | No
                                       train=train, level=level, float16=precision != "fp32",
                                       disable=disable, label_shapes=label_shapes,
                                       ignore_index=ignore_index, class_axis=class_axis,
-                                      external=external, untie=untie)
+                                      external=external, untie=untie,
+                                      padding_idx=padding_idx)
     recomputation = recompute_layers(graph.proto) if recompute == "layers" else None
     originals = {t.name: t for t in forward.graph.initializer}
     current = {t.name: t for t in graph.proto.graph.initializer}
@@ -130,7 +133,8 @@ def with_tied_copies(params: dict[str, np.ndarray], tied: dict[str, dict]
 
 
 def describe_params(forward: onnx.ModelProto, params: list[str], freeze=(), train=(),
-                    tied: dict[str, dict] | None = None) -> list[str]:
+                    tied: dict[str, dict] | None = None,
+                    padding_idx: int | None = None) -> list[str]:
     """Lines saying what is trained (count, weights, names grouped by layer), which copies
     of a weight are trained as that weight, and what is not trained and why; printed before
     step 1 and by ``--list-params``."""
@@ -156,6 +160,13 @@ def describe_params(forward: onnx.ModelProto, params: list[str], freeze=(), trai
         lines.append(f"tied: {listed_names(shown)} (copies the exporter wrote of a trained "
                      "weight, trained as that weight and written back from it; --untie "
                      "trains them apart)")
+    padding = {w: row for w, row in padding_rows(forward, padding_idx).items()
+               if w in set(params) | set(tied or ())}
+    if padding:
+        shown = ", ".join(f"{w} row {row}" for w, row in padding.items())
+        how = "--padding-idx" if padding_idx is not None else "as the dynamo export records it"
+        lines.append(f"padding rows: {shown} (its lookups send the row no gradient, as "
+                     f"nn.Embedding(padding_idx); {how})")
     default, left_out = classify_initializers(forward)
     statistics = running_statistics(forward.graph)
     if statistics:

@@ -41,7 +41,8 @@ def build_training_graph(model: onnx.ModelProto | TrainingGraph | str | os.PathL
                          labels_name: str | None = None, trainable: Patterns = None,
                          freeze: Patterns = (), train: Patterns = (), input_grads: Patterns = (),
                          weights_as_inputs: bool = True, class_axis: int | None = None,
-                         ignore_index: int | None = None) -> TrainingGraph:
+                         ignore_index: int | None = None,
+                         padding_rows: dict[str, int] | None = None) -> TrainingGraph:
     """Build the training graph of a forward model (a ModelProto, left untouched, or a path):
     a :class:`TrainingGraph`, the proto and what it trains.
 
@@ -59,6 +60,9 @@ def build_training_graph(model: onnx.ModelProto | TrainingGraph | str | os.PathL
     ``weights_as_inputs``: list the trainable initializers as graph inputs too (with their
     values as defaults), as ORTModule does, so a training loop can feed updated weights and
     constant-folding rewrites leave them alone.
+    ``padding_rows``: embedding weight -> the row its lookups (Gather on axis 0) never send a
+    gradient to, as ``nn.Embedding(padding_idx=row)``; the weight's other uses (a tied
+    output projection) still do.
 
     A model that already has a YieldOp (or a TrainingGraph) is returned as it is, after
     checking it has exactly one, with what it trains read by
@@ -105,7 +109,7 @@ def build_training_graph(model: onnx.ModelProto | TrainingGraph | str | os.PathL
     yield_outputs = [names.fresh(f"{t}_grad") for t in head.differentiable]
     yield_node = _yield_node(head, yield_outputs, names)
     seeds = dict(zip(head.differentiable, yield_outputs, strict=True))
-    grads = _backpropagate(path, seeds, emitter, names)
+    grads = _backpropagate(path, seeds, emitter, names, dict(padding_rows or {}))
 
     emitter.scope = "Grad"
     for tensor, wanted in output_names.items():
@@ -186,7 +190,7 @@ def _yield_node(head, yield_outputs: list[str], names) -> onnx.NodeProto:
 
 
 def _backpropagate(path: GradientPath, seeds: dict[str, str], emitter: Emitter,
-                   names) -> dict[str, str]:
+                   names, padding_rows: dict[str, int]) -> dict[str, str]:
     """Run every definition in reverse order; returns the total gradient of each tensor."""
     contributions: dict[str, list[str]] = defaultdict(list)
     for tensor, grad in seeds.items():
@@ -208,7 +212,7 @@ def _backpropagate(path: GradientPath, seeds: dict[str, str], emitter: Emitter,
             continue
         emitter.scope = f"{node.name or node.op_type}_Grad"
         needs = [t in path.tensors for t in node.input]
-        ctx = GradientContext(node, output_grads, needs, emitter, names.fresh)
+        ctx = GradientContext(node, output_grads, needs, emitter, names.fresh, padding_rows)
         input_grads = list(gradient_of(node)(ctx))
         # a definition may list fewer entries than inputs (trailing ones get no gradient)
         for tensor, grad in zip(node.input, input_grads, strict=False):

@@ -33,6 +33,7 @@ from .builder import build_training_graph, list_weights_as_inputs
 from .float16 import to_float16
 from .graph import TrainingGraph, has_yield
 from .losses import DEFAULT_LABELS, checked_ignore_index, class_axis_for
+from .padding import padding_rows
 from .selection import classify_initializers, listed_names, select_trainable
 from .ties import Tie, find_ties, tie, tie_entries
 
@@ -43,7 +44,8 @@ def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
                      labels: str | None = None, freeze=(), train=(), level: int = 2,
                      float16: bool = False, disable: tuple[str, ...] = (),
                      label_shapes: dict | None = None, ignore_index: int | None = None,
-                     class_axis: int | None = None, external=None, untie: bool = False
+                     class_axis: int | None = None, external=None, untie: bool = False,
+                     padding_idx: int | None = None
                      ) -> tuple[TrainingGraph, list[tuple[str, Report]]]:
     """(the optimized training graph, the rewrite report of each stage with its title).
 
@@ -58,7 +60,9 @@ def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
     they stay references in the training graph, read where a rule needs a value; a float16
     copy reads them all. Trained weights the exporter wrote twice (a tied output projection
     folded into its transpose, :mod:`.ties`) are trained as one, listed in the graph's
-    ``tied``; ``untie`` trains them apart. BatchNormalization runs as in ``model.train()``
+    ``tied``; ``untie`` trains them apart. ``padding_idx``: the embedding row the lookups of
+    token ids send no gradient to (:mod:`.padding`; by default the rows a dynamo export
+    names). BatchNormalization runs as in ``model.train()``
     (:mod:`.batch_norm`): the running statistics it updates are the graph's
     ``buffer_updates``."""
     def optimize(proto, **options):
@@ -75,9 +79,10 @@ def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
     if loss == "cross_entropy":   # refused before any rewriting, as the builder would
         ignore_index = checked_ignore_index(ignore_index)
     if has_yield(forward):
-        if loss is not None or labels or freeze or train:
+        if loss is not None or labels or freeze or train or padding_idx is not None:
             raise GraphoptError("the model is already a training graph (it has a YieldOp); "
-                                "--loss, --labels, --freeze and --train do not apply")
+                                "--loss, --labels, --freeze, --train and --padding-idx do not "
+                                "apply")
         staged = to_float16(forward, keep_outputs_fp32=False) if float16 else forward
         if staged is forward:
             staged = onnx.ModelProto()
@@ -88,6 +93,7 @@ def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
         graph = TrainingGraph.from_model(optimized)
         return _check_trains(graph), reports
     params = trained_params(forward, freeze, train)
+    padding = padding_rows(forward, padding_idx)
     staged = onnx.ModelProto()
     staged.CopyFrom(forward)
     params, ties = untied_params(forward, params, untie, external)
@@ -106,7 +112,7 @@ def prepare_training(forward: onnx.ModelProto, *, loss: str | None = None,
                                                class_axis, prediction),
                          ignore_index=ignore_index)
     graph = build_training_graph(staged, labels_name=labels, train=params,
-                                 trainable=params, **arguments)
+                                 trainable=params, padding_rows=padding, **arguments)
     expose_updates(graph.proto.graph, buffers)
     graph = dataclasses.replace(graph, tied=tie_entries(ties), buffer_updates=buffers)
     optimized, report = optimize(graph.proto, level=level, disable=list(disable))

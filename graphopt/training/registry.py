@@ -11,7 +11,7 @@ name of that input's gradient, or None. It may skip inputs whose gradient nobody
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import onnx
 from onnx import helper
@@ -57,8 +57,12 @@ class GradientContext:
     """
 
     def __init__(self, node: onnx.NodeProto, output_grads: Sequence[str | None],
-                 needs: Sequence[bool], emitter: Emitter, names_fresh: Callable[[str], str]):
+                 needs: Sequence[bool], emitter: Emitter, names_fresh: Callable[[str], str],
+                 padding_rows: Mapping[str, int] | None = None):
         self.node = node
+        # embedding weight -> the row its lookups send no gradient to (nn.Embedding's
+        # padding_idx); read by the Gather definition
+        self.padding_rows = dict(padding_rows or {})
         self.output_grads = list(output_grads)
         self._needs = list(needs)
         self.emitter = emitter

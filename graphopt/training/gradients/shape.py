@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+from onnx import TensorProto, helper
 
 from ..registry import GradientContext, gradient
 
@@ -120,10 +121,22 @@ def slice_(ctx: GradientContext):
 
 @gradient("Gather")
 def gather(ctx: GradientContext):
-    """ONNX Runtime's GatherGrad: scatter-add into zeros (an index may repeat)."""
+    """ONNX Runtime's GatherGrad: scatter-add into zeros (an index may repeat). A lookup in
+    an embedding with a padding row (ctx.padding_rows) sends nothing from the positions
+    that read that row, as nn.Embedding(padding_idx) does."""
     x, indices = ctx.input(0), ctx.input(1)
-    return [ctx.ms("GatherGrad", ctx.shape_of(x), indices, ctx.dy,
-                   axis=ctx.attr_or_default("axis")), None]
+    axis = ctx.attr_or_default("axis")
+    dy = ctx.dy
+    row = ctx.padding_rows.get(x)
+    if row is not None and axis == 0:
+        index_type = helper.tensor_dtype_to_np_dtype(ctx.dtype(indices) or TensorProto.INT64)
+        counted = ctx.op("Not", ctx.op("Equal", indices, ctx.const(np.array(row, index_type))))
+        index_rank = ctx.rank(indices)
+        trailing = list(range(index_rank, index_rank + ctx.rank(x) - 1))
+        keep = ctx.op("CastLike", counted, dy) if ctx.opset >= 15 else \
+            ctx.op("Cast", counted, to=ctx.dtype(dy) or TensorProto.FLOAT)
+        dy = ctx.op("Mul", dy, ctx.unsqueeze(keep, trailing) if trailing else keep)
+    return [ctx.ms("GatherGrad", ctx.shape_of(x), indices, dy, axis=axis), None]
 
 
 def _scatter_add_needs_opset_16(ctx: GradientContext) -> None:
