@@ -19,6 +19,7 @@ from graphopt.modelio import tensor_value
 from graphopt.report import Report
 from graphopt.training import TrainingGraph
 from graphopt.training.batch_norm import running_statistics
+from graphopt.training.module_paths import module_paths
 from graphopt.training.padding import padding_rows
 from graphopt.training.prepare import prepare_training
 from graphopt.training.recompute import Recomputation, recompute_layers
@@ -140,9 +141,10 @@ def describe_params(forward: onnx.ModelProto, params: list[str], freeze=(), trai
     step 1 and by ``--list-params``."""
     sizes = {t.name: int(np.prod(t.dims, dtype=np.int64)) for t in forward.graph.initializer}
     shapes = {t.name: list(t.dims) for t in forward.graph.initializer}
+    paths = module_paths(forward)   # exporter-renamed weights, shown by their module path
     groups: dict[str, list[str]] = {}
     for name in params:
-        groups.setdefault(_group(name), []).append(name)
+        groups.setdefault(_group(paths.get(name, name)), []).append(name)
     total = sum(sizes[n] for n in params)
     lines = [f"trained: {len(params)} tensors, {total:,} weights"]
     rows = []
@@ -154,6 +156,11 @@ def describe_params(forward: onnx.ModelProto, params: list[str], freeze=(), trai
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     lines += [f"  {a.ljust(widths[0])}  {b.ljust(widths[1])}  {c.rjust(widths[2])}"
               for a, b, c in rows]
+    renamed = [f"{name} = {paths[name]}" for name in params if name in paths]
+    if renamed:
+        lines.append(f"shown by module path: {listed_names(renamed, 3)} (the exporter's "
+                     "names for them, a MatMul's weight stored transposed; --freeze and "
+                     "--train take either name)")
     if tied:
         shown = [f"{copy} = {tie['source']}{'^T' if tie['transposed'] else ''}"
                  for copy, tie in tied.items()]

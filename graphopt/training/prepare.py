@@ -33,6 +33,7 @@ from .builder import build_training_graph, list_weights_as_inputs
 from .float16 import to_float16
 from .graph import TrainingGraph, has_yield
 from .losses import DEFAULT_LABELS, checked_ignore_index, class_axis_for
+from .module_paths import module_paths
 from .padding import padding_rows
 from .selection import classify_initializers, listed_names, select_trainable
 from .ties import Tie, find_ties, tie, tie_entries
@@ -208,10 +209,11 @@ def _cross_entropy_layout(forward: onnx.ModelProto, labels: str | None, shapes: 
 def trained_params(forward: onnx.ModelProto, freeze=(), train=()) -> list[str]:
     """The initializers a run trains: the parameters (see
     :func:`.selection.classify_initializers`), less ``--freeze``, plus ``--train`` (which may
-    name anything floating-point, constants included)."""
+    name anything floating-point, constants included). A pattern matches a weight by its
+    name or by the module path an exporter-renamed weight has (:mod:`.module_paths`)."""
     initializers = [(t.name, t.data_type) for t in forward.graph.initializer]
     default, left_out = classify_initializers(forward)
-    params = select_trainable(initializers, default, freeze, train)
+    params = select_trainable(initializers, default, freeze, train, module_paths(forward))
     if not params:
         kept = [n for key, names in left_out.items() if key != "integer" for n in names]
         hint = (f"; {len(kept)} float initializer(s) are left out by default "

@@ -9,7 +9,7 @@ almost always a typo, and a silent no-op would train the wrong parameters.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from ..errors import GraphoptError
 from ..vocabulary import FLOAT_TYPES
@@ -29,13 +29,19 @@ def as_patterns(patterns: Patterns) -> list[str]:
     return list(patterns)
 
 
-def matching(names: Sequence[str], patterns: Sequence[str], option: str) -> set[str]:
-    """Names matched by any pattern; every pattern must match at least one name."""
+def matching(names: Sequence[str], patterns: Sequence[str], option: str,
+             aliases: Mapping[str, str] | None = None) -> set[str]:
+    """Names matched by any pattern; every pattern must match at least one name. A name's
+    alias (its module path, :mod:`.module_paths`) matches for it."""
+    aliases = aliases or {}
     found: set[str] = set()
     unmatched = []
     for pattern in patterns:
-        hits = fnmatch.filter(names, pattern) if _is_pattern(pattern) else \
-            [pattern] if pattern in names else []
+        if _is_pattern(pattern):
+            hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)
+                    or (n in aliases and fnmatch.fnmatchcase(aliases[n], pattern))]
+        else:
+            hits = [n for n in names if pattern in (n, aliases.get(n))]
         if not hits:
             unmatched.append(pattern)
         found.update(hits)
@@ -55,13 +61,15 @@ def _preview(names: Sequence[str], limit: int = 12) -> str:
 
 
 def select_trainable(initializers: Sequence[tuple[str, int]], trainable: Patterns = None,
-                     freeze: Patterns = (), train: Patterns = ()) -> list[str]:
-    """The trainable initializer names, in model order. ``initializers``: (name, elem_type)."""
+                     freeze: Patterns = (), train: Patterns = (),
+                     aliases: Mapping[str, str] | None = None) -> list[str]:
+    """The trainable initializer names, in model order. ``initializers``: (name, elem_type);
+    ``aliases``: name -> the module path a pattern may match it by."""
     all_names = [name for name, _ in initializers]
     float_names = [name for name, elem_type in initializers if elem_type in FLOAT_TYPES]
 
     def float_only(patterns: list[str], option: str) -> set[str]:
-        selected = matching(all_names, patterns, option)
+        selected = matching(all_names, patterns, option, aliases)
         named_integers = [n for n in patterns if n in selected and n not in float_names]
         if named_integers:  # asked for by exact name: say why it cannot be
             raise GraphoptError(f"{option}: {', '.join(map(repr, named_integers))} is not "
@@ -72,7 +80,7 @@ def select_trainable(initializers: Sequence[tuple[str, int]], trainable: Pattern
         chosen = set(float_names)
     else:
         chosen = float_only(as_patterns(trainable), "trainable")
-    chosen -= matching(all_names, as_patterns(freeze), "freeze")
+    chosen -= matching(all_names, as_patterns(freeze), "freeze", aliases)
     chosen |= float_only(as_patterns(train), "train")
     return [name for name in float_names if name in chosen]
 
