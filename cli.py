@@ -188,7 +188,8 @@ def main():
 @click.option("--check", "check_runs", is_flag=False, flag_value=3, default=None,
               type=click.IntRange(min=1), metavar="[N]",
               help="Compare the original and the optimized model on N random inputs "
-                   "(default 3) in onnxruntime (the executor without it); exit 1 if they "
+                   "(default 3; symbolic dims 4 unless --input-shape, token ids across the "
+                   "embedding) in onnxruntime (the executor without it); exit 1 if they "
                    "differ.")
 @click.option("--dry-run", is_flag=True, help="Optimize and report; write nothing.")
 @click.option("--report", "report_file", type=click.Path(path_type=str),

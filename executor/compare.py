@@ -3,7 +3,11 @@ inputs and compare every output, as onnxsim's check does.
 
 The runtime is onnxruntime when it is installed (an oracle nobody here wrote); otherwise
 graphopt's own executor. Inputs have the declared shapes; a symbolic dimension takes the
-value ``--input-shape`` gave it, else 1.
+value ``--input-shape`` gave it, else :data:`SYMBOLIC_DIM` (above 1, so that a decoder's
+attention mixes positions and a batch has rows to differ in). Values: floats standard normal;
+integers within the range the graph reads them with (token ids below the embedding's row
+count, where a Gather reads them), else 0 or 1; a Dropout's ``training_mode`` input False
+(inference, as onnxruntime runs a Dropout without one). What was used is printed.
 
 Before anything is allocated, the random inputs' bytes (and the executor's planned peak for
 each model, where it can plan it) are checked against the available memory (the executor's
@@ -22,6 +26,7 @@ import onnx
 from graphopt.errors import GraphoptError
 
 RTOL, ATOL = 1e-3, 1e-4   # onnxsim's defaults for its check
+SYMBOLIC_DIM = 4          # a symbolic dimension without --input-shape
 
 
 @dataclass
@@ -36,6 +41,7 @@ class CheckResult:
     runtime: str
     runs: int
     outputs: list[OutputDiff]
+    inputs: str = ""    # the shapes and value ranges drawn (describe_inputs)
 
     @property
     def ok(self) -> bool:
@@ -46,7 +52,9 @@ class CheckResult:
         head = (f"check: {self.runs} random input set(s) in {self.runtime}: max abs "
                 f"difference {worst:.3g} (tolerance rtol {RTOL:g}, atol {ATOL:g})")
         bad = [f"{o.name} ({o.max_abs:.3g})" for o in self.outputs if not o.within]
-        return head + (f"; outputs that differ: {', '.join(bad)}" if bad else "; outputs match")
+        inputs = f"\ncheck inputs: {self.inputs}" if self.inputs else ""
+        return head + (f"; outputs that differ: {', '.join(bad)}" if bad
+                       else "; outputs match") + inputs
 
 
 def _with_weights(model: onnx.ModelProto, base_dir: str) -> onnx.ModelProto:
@@ -82,7 +90,7 @@ def input_specs(model: onnx.ModelProto, shapes: dict[str, list[int]] | None = No
                                 f"({tensor_type.elem_type}) random inputs cannot have") from None
         dims = [int(d) for d in (shapes or {}).get(value.name) or []]
         if not dims:
-            dims = [d.dim_value if d.HasField("dim_value") else 1
+            dims = [d.dim_value if d.HasField("dim_value") else SYMBOLIC_DIM
                     for d in tensor_type.shape.dim]
         nbytes = dtype.itemsize * math.prod(dims)  # Python ints: no overflow
         if any(d < 0 for d in dims) or nbytes > MAX_ARRAY_BYTES:
@@ -127,18 +135,87 @@ def refuse_what_cannot_fit(models, shapes: dict[str, list[int]] | None = None) -
                 f"memory of {human(peak)}, more than {where}; {lift}")
 
 
+# ops whose output holds the values of their first input (its indices stay indices)
+_SAME_VALUES = frozenset({"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity",
+                          "Expand", "Transpose"})
+
+
+def value_ranges(model: onnx.ModelProto) -> dict[str, tuple]:
+    """Input -> ("index", n): an integer read as Gather indices (directly or through ops
+    that keep its values: Cast, Reshape, Unsqueeze, ...) of a tensor with n rows along the
+    gathered axis, the smallest such n;
+    ("inference",): a Dropout's training_mode. Other inputs are not listed."""
+    graph = model.graph
+    inputs = {i.name for i in graph.input}
+    dims = {t.name: list(t.dims) for t in graph.initializer}
+    for value in list(graph.input) + list(graph.value_info):
+        shape = value.type.tensor_type.shape
+        if value.name not in dims and all(d.HasField("dim_value") for d in shape.dim):
+            dims[value.name] = [d.dim_value for d in shape.dim]
+    source = {n.output[0]: n.input[0] for n in graph.node
+              if n.op_type in _SAME_VALUES and n.input and n.output}
+
+    def origin(name: str) -> str:
+        seen = set()
+        while name in source and name not in seen:
+            seen.add(name)
+            name = source[name]
+        return name
+
+    ranges: dict[str, tuple] = {}
+    for node in graph.node:
+        if node.op_type == "Gather" and len(node.input) > 1:
+            name = origin(node.input[1])
+            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+            rows = dims.get(node.input[0])
+            if name in inputs and rows and -len(rows) <= axis < len(rows):
+                previous = ranges.get(name)
+                if previous is None or previous[0] == "index":
+                    ranges[name] = ("index", min(rows[axis], previous[1]) if previous
+                                    else rows[axis])
+        elif node.op_type == "Dropout" and len(node.input) > 2 and node.input[2] in inputs:
+            ranges[node.input[2]] = ("inference",)
+    return ranges
+
+
 def random_inputs(model: onnx.ModelProto, rng: np.random.Generator,
                   shapes: dict[str, list[int]] | None = None) -> dict[str, np.ndarray]:
-    """One random array per graph input that is not an initializer."""
+    """One random array per graph input that is not an initializer (module docstring)."""
     feeds = {}
+    ranges = value_ranges(model)
     for name, (dtype, dims) in input_specs(model, shapes).items():
+        kind = ranges.get(name, ())
         if np.issubdtype(dtype, np.floating):
             feeds[name] = rng.standard_normal(dims).astype(dtype)
+        elif kind == ("inference",):
+            feeds[name] = np.zeros(dims, dtype)
         elif dtype == np.bool_:
             feeds[name] = rng.integers(0, 2, dims).astype(bool)
-        else:   # indices: small non-negative values stay in range for Gather and friends
-            feeds[name] = rng.integers(0, 2, dims).astype(dtype)
+        else:
+            high = kind[1] if kind and kind[0] == "index" else 2
+            feeds[name] = rng.integers(0, max(high, 1), dims).astype(dtype)
     return feeds
+
+
+def describe_inputs(model: onnx.ModelProto, shapes: dict[str, list[int]] | None = None) -> str:
+    """``input_ids [4, 4] int64 in [0, 50257); x [4, 16] float32 normal``: what
+    :func:`random_inputs` draws."""
+    ranges = value_ranges(model)
+    parts = []
+    for name, (dtype, dims) in input_specs(model, shapes).items():
+        kind = ranges.get(name, ())
+        if np.issubdtype(dtype, np.floating):
+            values = "standard normal"
+        elif kind == ("inference",):
+            values = "False (Dropout in inference mode)"
+        elif dtype == np.bool_:
+            values = "random True/False"
+        else:
+            high = kind[1] if kind and kind[0] == "index" else 2
+            values = f"in [0, {high})" + (" (Gather indices)" if kind else "")
+        parts.append(f"{name} {dims} {dtype.name} {values}")
+    symbolic = " (symbolic dimensions " + str(SYMBOLIC_DIM) + " unless --input-shape gives them)"
+    return "; ".join(parts) + symbolic if parts else "none"
 
 
 def _runner(model: onnx.ModelProto):
@@ -190,8 +267,10 @@ def check(original: onnx.ModelProto, optimized: onnx.ModelProto, runs: int, *,
         except GraphoptError:
             raise
         except Exception as exc:  # noqa: BLE001 (a runtime failure is one line)
-            raise GraphoptError(f"--check: running the models failed: "
-                                f"{str(exc).strip().splitlines()[0][:200]}") from None
+            raise GraphoptError(f"--check: running the models failed on inputs "
+                                f"{describe_inputs(original, shapes)}: "
+                                f"{str(exc).strip().splitlines()[0][:200]}; --input-shape "
+                                "NAME:DIM,DIM gives other shapes") from None
         for name, want in expected.items():
             got = np.asarray(actual[name])
             want = np.asarray(want)
@@ -212,7 +291,7 @@ def check(original: onnx.ModelProto, optimized: onnx.ModelProto, runs: int, *,
                 worst[name] = OutputDiff(name, max(max_abs, previous.max_abs if previous
                                                    else 0.0),
                                          within and (previous is None or previous.within))
-    return CheckResult(runtime, runs, list(worst.values()))
+    return CheckResult(runtime, runs, list(worst.values()), describe_inputs(original, shapes))
 
 
 def base_dir_of(path: str | None) -> str:
