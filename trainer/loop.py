@@ -131,12 +131,43 @@ def _nonfinite(value) -> str | None:
         return "inf" if (array == np.inf).any() else "-inf"
 
 
-def locate_nonfinite(session, feeds: dict, weights=()) -> str | None:
+def _holds(value, kind: str) -> bool:
+    array = to_host(value)
+    if not np.issubdtype(array.dtype, np.floating) or array.size == 0:
+        return False
+    with np.errstate(invalid="ignore"):
+        if kind == "nan":
+            return bool(np.isnan(array).any())
+        return bool((array == (np.inf if kind == "inf" else -np.inf)).any())
+
+
+class _ConstantOrigins:
+    """Which tensors of a graph are computed from initializers and Constant nodes alone (no
+    data, no trained weight fed): a mask constant, not a fault of the step."""
+
+    def __init__(self, graph):
+        self.producers = {out: node for node in graph.node for out in node.output}
+        fed = {i.name for i in graph.input}
+        self.leaves = {t.name for t in graph.initializer} - fed
+        self.memo: dict[str, bool] = {}
+
+    def __call__(self, name: str) -> bool:
+        if name not in self.memo:
+            self.memo[name] = False   # a cycle is no constant
+            node = self.producers.get(name)
+            self.memo[name] = name in self.leaves if node is None else \
+                all(self(i) for i in node.input if i)
+        return self.memo[name]
+
+
+def locate_nonfinite(session, feeds: dict, weights=(), kind: str | None = None) -> str | None:
     """Run ``feeds`` again fetching every tensor; name the first node (in plan order) whose
-    output holds a NaN/Inf: its op type, name, and any input that was already non-finite.
-    None when every tensor is finite this time (the fault came from elsewhere: another
-    rank's batch in a data-parallel run). Holds every tensor of the step at once: a model
-    that would not fit so gets a line saying the node could not be located."""
+    output holds a NaN/Inf (of ``kind``, the fault's own, "nan"/"inf"/"-inf", where given
+    and found: a float16 attention mask's intended -inf is not the NaN's cause): its op
+    type, name, and any input that was already non-finite. None when every tensor is finite
+    this time (the fault came from elsewhere: another rank's batch in a data-parallel run).
+    Holds every tensor of the step at once: a model that would not fit so gets a line
+    saying the node could not be located."""
     graph = session.model.graph
     names: list[str] = []
     seen: set[str] = set()
@@ -153,25 +184,33 @@ def locate_nonfinite(session, feeds: dict, weights=()) -> str | None:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return f"the step could not be run again to find the node ({first[:160]})"
     inputs = set(session.input_names)
-    for step in plan.steps:
-        node = step.node
-        bad = [(out, kind) for out in node.outputs if (kind := _nonfinite(values.get(out)))]
-        if not bad:
-            continue
-        out, kind = bad[0]
-        where = f"{node.op_type} node {node.name!r}"
-        if len(node.outputs) > 1:
-            where += f" (output {out!r})"
-        already = [(name, k) for name in node.inputs
-                   if name and (k := _nonfinite(values.get(name, feeds.get(name))))]
-        if already:
-            name, k = already[0]
-            origin = (", a weight" if name in weights else
-                      ", from the data" if name in inputs else "")
-            detail = f"input {name!r} was already {k}{origin}"
-        else:
-            detail = "inputs finite"
-        return f"first non-finite value ({kind}) produced by {where} ({detail})"
+    from_constants = _ConstantOrigins(graph)
+    for wanted in ([kind] if kind else []) + [None]:
+        for step in plan.steps:
+            node = step.node
+            bad = [(out, found) for out in node.outputs
+                   if (found := _nonfinite(values.get(out)))
+                   and (wanted is None or _holds(values[out], wanted))]
+            if not bad:
+                continue
+            out, found = bad[0]
+            found = wanted or found
+            where = f"{node.op_type} node {node.name!r}"
+            if len(node.outputs) > 1:
+                where += f" (output {out!r})"
+            already = [(name, k) for name in node.inputs
+                       if name and (k := _nonfinite(values.get(name, feeds.get(name))))]
+            if already:
+                name, k = already[0]
+                origin = (", a weight" if name in weights else
+                          ", from the data" if name in inputs else
+                          ", from constants alone (float32's most negative values, an "
+                          "attention mask's, are -inf in float16)"
+                          if k == "-inf" and from_constants(name) else "")
+                detail = f"input {name!r} was already {k}{origin}"
+            else:
+                detail = "inputs finite"
+            return f"first non-finite value ({found}) produced by {where} ({detail})"
     return None
 
 
@@ -554,14 +593,16 @@ class Trainer:
                        ) -> str:
         if kind == "loss":
             what = f"step {step}: loss is {loss}"
+            wanted = _nonfinite(np.array([loss]))
         else:
             bad = [(name, k) for name, grad in grads.items() if (k := _nonfinite(grad))]
             name, k = bad[0] if bad else ("?", "non-finite")
             more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
             what = f"step {step}: gradient of {name!r}{more} holds {k} (loss {loss:.6g})"
+            wanted = k if bad else None
         # the same Dropout masks as the step itself
         _reseed(self.session, self.settings.seed * 1_000_003 + step - 1)
-        found = locate_nonfinite(self.session, feeds, set(self.params))
+        found = locate_nonfinite(self.session, feeds, set(self.params), wanted)
         if found is None:
             comm = getattr(self, "comm", None)   # a distributed trainer's communicator
             found = ("this rank's share of the batch gave finite values when run again "

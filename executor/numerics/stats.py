@@ -77,4 +77,13 @@ def format_denormal_table(report: dict, top: int = 10) -> str:
             c = phases[p]
             cells += [c["input_denormals"], c["output_denormals"], c["mi200_flushes"]]
         lines.append(f"{name:<{width}}  " + "  ".join(f"{v:>10}" for v in cells))
+    lines.append(LEGEND)
     return "\n".join(lines)
+
+
+# what the columns count; "flush" can exceed in + out: where the original path ran, the
+# result it returned had its subnormals flushed already ("out" 0), the count before did not
+LEGEND = ("in: FP16 subnormals among the operands; out: in the result returned; flush: what "
+          "MI200's original FP16 path flushes to zero, the operands' plus the result's before "
+          "that flush (more than in + out where the original path ran and returned the "
+          "flushed result)")

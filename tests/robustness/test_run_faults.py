@@ -276,3 +276,55 @@ def test_disk_full_while_writing_the_step_log_is_one_line(tmp_path, monkeypatch)
     assert code == 1 and "Traceback" not in stderr
     assert stderr.strip() == (f"graphopt: error: --log {tmp_path / 'log.csv'}: cannot write "
                               "step 3: No space left on device")
+
+
+def _float16_mask_model(path) -> str:
+    """s = x @ w + mask, mask = [float32's minimum, 0, 0, 0] (an additive attention mask:
+    -inf in float16, as intended); loss = sum(s - s): NaN where s is -inf, in float16."""
+    mask = np.array([np.finfo(np.float32).min, 0, 0, 0], np.float32)
+    w = np.eye(4, dtype=np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["xw"], name="project"),
+         helper.make_node("Add", ["xw", "onnx::Add_9"], ["s"], name="mask/add"),
+         helper.make_node("Sub", ["s", "s"], ["d"], name="fault/sub"),
+         helper.make_node("ReduceSum", ["d"], ["loss"], keepdims=0, name="loss/sum")],
+        "masked", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(mask, "onnx::Add_9")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return str(path)
+
+
+def test_a_float16_masks_intended_minus_inf_is_not_blamed_for_the_nan(tmp_path):
+    """The mask's -inf appears first (the Add); the NaN the loss holds comes from the Sub:
+    that is the node named."""
+    data = tmp_path / "x.npz"
+    np.savez(data, x=np.ones((4, 4), np.float32))
+    with pytest.raises(NonFiniteError) as info:
+        run(RunOptions(model=_float16_mask_model(tmp_path / "m.onnx"), data=str(data),
+                       loss="loss", steps=1, batch_size=4, precision="fp16",
+                       loss_scale="none", device="cpu", quiet=True))
+    message = str(info.value)
+    assert "loss is nan" in message
+    assert "first non-finite value (nan) produced by Sub node 'fault/sub'" in message, message
+    assert "mask/add" not in message
+
+
+def test_a_minus_inf_from_constants_alone_is_said_to_be_one():
+    from graphopt.executor import Session
+    from graphopt.trainer.loop import locate_nonfinite
+
+    minus_inf = numpy_helper.from_array(np.array([-np.inf, 0], np.float16), "mask")
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["mask"], ["m"], name="copy"),
+         helper.make_node("Sub", ["m", "m"], ["d"], name="fault/sub"),
+         helper.make_node("Add", ["d", "x"], ["y"], name="use")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [2])], [minus_inf])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    found = locate_nonfinite(Session(model, device="cpu"), {"x": np.zeros(2, np.float16)},
+                             kind="nan")
+    assert found.startswith("first non-finite value (nan) produced by Sub node 'fault/sub'")
+    assert "input 'm' was already -inf, from constants alone" in found

@@ -73,9 +73,12 @@ def test_table_lists_worst_nodes_first():
     lines = table.splitlines()
     assert lines[0] == "FP16 denormals, worst 2 of 3 nodes"
     assert lines[3].startswith("noisy") and lines[4].startswith("mild")
+    # flush (6) exceeds in + out (4 + 0): the original path flushed the result it returned
     assert lines[3].split()[1:4] == ["4", "0", "6"]
+    assert lines[-1].startswith("in: FP16 subnormals among the operands; out: in the result "
+                                "returned; flush:") and "more than in + out" in lines[-1]
     assert "quiet" not in table
-    assert format_denormal_table(numerics.denormal_report(), top=5).count("\n") == 5
+    assert format_denormal_table(numerics.denormal_report(), top=5).count("\n") == 6
 
 
 def test_report_needs_collect_stats():
