@@ -358,9 +358,10 @@ def list_rules():
 @click.option("--untie", is_flag=True, default=None,
               help="Train apart the copies of a weight the exporter wrote twice (a tied "
                    "output projection); by default they are trained as one, as PyTorch does.")
-@click.option("--split-shared", is_flag=True, default=None,
+@click.option("--split-shared/--no-split-shared", default=None,
               help="Give each module its own copy of a parameter the exporter merged with "
-                   "others because they started equal (a fresh model's norms and biases).")
+                   "others because they started equal (a fresh model's norms and biases): "
+                   "the default; --no-split-shared trains each merged tensor as one.")
 @click.option("--recompute", type=click.Choice(RECOMPUTE_MODES), default=None,
               help="layers: keep only what enters each transformer layer for the backward "
                    "pass and compute the layer's activations again there (less memory, about "
@@ -440,7 +441,7 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, grad_accu
         padding_idx=padding_idx,
         lr_schedule=lr_schedule, warmup=warmup, clip_grad_norm=clip_grad_norm,
         eval_data=eval_data, eval_every=eval_every, class_axis=class_axis,
-        untie=untie or None, split_shared=split_shared or None, recompute=recompute)
+        untie=untie or None, split_shared=split_shared, recompute=recompute)
     if list_params:
         print_params(options, echo=echo)
         return

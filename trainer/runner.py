@@ -81,7 +81,7 @@ class RunOptions:
     padding_idx: int | None = None        # embedding row token lookups give no gradient
     class_axis: int | None = None         # cross_entropy: the logits' class axis (None: found)
     untie: bool | None = None             # train tied copies apart (None: tied, as PyTorch)
-    split_shared: bool | None = None      # one copy per module of an exporter-merged tensor
+    split_shared: bool | None = None      # one copy per module of a merged tensor (None: yes)
     recompute: str | None = None          # none | layers: activations kept or computed again
     lr_schedule: str | None = None        # constant | linear | cosine (None: constant)
     warmup: int | None = None             # steps of linear warmup from 0 (None: 0)
@@ -623,28 +623,30 @@ def _warn_if_nothing_saved(opts: RunOptions, writer: bool, echo) -> None:
 def _merged_parameters(opts: RunOptions, forward: onnx.ModelProto, external, say
                        ) -> onnx.ModelProto:
     """The forward model with each exporter-merged parameter (:mod:`graphopt.training.shared`)
-    split into one per module with --split-shared; without it, the same model and a note
-    saying what was merged. A model that is a training graph already is left alone."""
+    split into one per module, as PyTorch has them (the default); with --no-split-shared the
+    same model and a note saying what was merged. A model that is a training graph already
+    is left alone."""
     if has_yield(forward):
         return forward
     candidates = trained_params(forward, (), opts.train)
     merges = find_merges(forward, candidates, lambda tensor: tensor_value(tensor, external))
     if not merges:
         return forward
-    if not opts.split_shared:
-        shown = "; ".join(m.describe() for m in merges[:2])
-        more = f" (and {len(merges) - 2} more)" if len(merges) > 2 else ""
+    shown = "; ".join(m.describe() for m in merges[:2])
+    more = f" (and {len(merges) - 2} more)" if len(merges) > 2 else ""
+    count = sum(len(m.copies) + 1 for m in merges)
+    if opts.split_shared is False:
         say(f"note: {len(merges)} trained tensor(s) stand for the parameters of several "
             f"modules: {shown}{more}. An exporter merges parameters that start equal (a "
-            f"fresh model's ones and zeros); PyTorch trains "
-            f"{sum(len(m.copies) + 1 for m in merges)} tensors there, graphopt "
-            f"{len(merges)}: --split-shared trains each module its own copy")
+            f"fresh model's ones and zeros); PyTorch trains {count} tensors there, graphopt "
+            f"{len(merges)} (--no-split-shared)")
         return forward
     split_model = onnx.ModelProto()
     split_model.CopyFrom(forward)
     split(split_model, merges)
-    say(f"split {len(merges)} merged tensor(s) into "
-        f"{sum(len(m.copies) + 1 for m in merges)}, one per module (--split-shared)")
+    say(f"split {len(merges)} merged tensor(s) into {count}, one per module as PyTorch has "
+        f"them: {shown}{more} (the exporter merged them because they start equal; "
+        "--no-split-shared trains each as one tensor)")
     return split_model
 
 

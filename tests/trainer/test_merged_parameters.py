@@ -1,10 +1,11 @@
-"""Parameters an exporter merged because they started equal: said before step 1, and with
---split-shared trained as the separate parameters PyTorch has.
+"""Parameters an exporter merged because they started equal: split by default into the
+separate parameters PyTorch has, said before step 1; --no-split-shared trains each as one.
 
 The oracle: the same model written with one initializer per module (what an exporter writes
 when the values differ). Both merged forms, TorchScript's ``Identity(l0.scale) -> l1.scale``
 and dynamo's one initializer read from two module scopes, must train with --split-shared
-exactly what that model trains, loss for loss and weight for weight."""
+exactly what that model trains, loss for loss and weight for weight (by default and with
+--split-shared)."""
 from __future__ import annotations
 
 import json
@@ -76,10 +77,11 @@ def _train(tmp_path, form, data, *extra):
     return losses, weights, stdout
 
 
+@pytest.mark.parametrize("extra", [(), ("--split-shared",)])
 @pytest.mark.parametrize("form", ["identity", "scoped"])
-def test_split_shared_trains_what_separate_parameters_train(tmp_path, data, form):
+def test_split_shared_trains_what_separate_parameters_train(tmp_path, data, form, extra):
     reference, separate, _ = _train(tmp_path, "separate", data)
-    losses, weights, stdout = _train(tmp_path, form, data, "--split-shared")
+    losses, weights, stdout = _train(tmp_path, form, data, *extra)
     assert "split 1 merged tensor(s) into 2, one per module" in stdout
     assert losses == reference
     for name in ("l0.scale", "l1.scale", "l0.w", "head.w"):
@@ -88,12 +90,12 @@ def test_split_shared_trains_what_separate_parameters_train(tmp_path, data, form
 
 
 @pytest.mark.parametrize("form", ["identity", "scoped"])
-def test_a_merged_parameter_is_named_before_step_one(tmp_path, data, form):
+def test_no_split_shared_trains_a_merged_parameter_as_one_and_says_so(tmp_path, data, form):
     reference, _, _ = _train(tmp_path, "separate", data)
-    losses, _, stdout = _train(tmp_path, form, data)
+    losses, _, stdout = _train(tmp_path, form, data, "--no-split-shared")
     assert ("note: 1 trained tensor(s) stand for the parameters of several modules: l0.scale "
             "(all 1) stands for 2 parameters: l0.scale, l1.scale") in stdout
-    assert "--split-shared" in stdout
+    assert "--no-split-shared" in stdout
     assert losses[0] == reference[0] and losses[1] != reference[1]   # one tensor, summed
 
 
