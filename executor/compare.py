@@ -24,6 +24,7 @@ import numpy as np
 import onnx
 
 from graphopt.errors import GraphoptError
+from graphopt.vocabulary import attribute_or_default
 
 RTOL, ATOL = 1e-3, 1e-4   # onnxsim's defaults for its check
 SYMBOLIC_DIM = 4          # a symbolic dimension without --input-shape
@@ -166,7 +167,7 @@ def value_ranges(model: onnx.ModelProto) -> dict[str, tuple]:
     for node in graph.node:
         if node.op_type == "Gather" and len(node.input) > 1:
             name = origin(node.input[1])
-            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+            axis = attribute_or_default(node, "axis")
             rows = dims.get(node.input[0])
             if name in inputs and rows and -len(rows) <= axis < len(rows):
                 previous = ranges.get(name)

@@ -87,6 +87,15 @@ def attribute_default(op_type: str, name: str, domain: str = STANDARD_DOMAIN,
     return list(value) if isinstance(value, tuple) else value
 
 
+def attribute_or_default(node, name: str, opset: int | None = None):
+    """A NodeProto's attribute ``name``, or the schema's default where the node leaves it
+    out (:func:`attribute_default`); strings as bytes, as onnx.helper gives them."""
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return onnx.helper.get_attribute_value(attribute)
+    return attribute_default(node.op_type, name, node.domain or STANDARD_DOMAIN, opset)
+
+
 def attribute_defaults(op_type: str, domain: str = STANDARD_DOMAIN) -> dict:
     """Every attribute of ``op_type`` that has a default, with it (latest schema); none for
     a com.microsoft op the table above does not list, or an op of another domain."""

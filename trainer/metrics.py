@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 
 from graphopt.ir import normalize_domain
+from graphopt.vocabulary import attribute_or_default
 
 
 @dataclass(frozen=True)
@@ -33,11 +34,12 @@ def classification_of(proto: onnx.ModelProto, losses) -> Classification | None:
         if node.op_type != "SoftmaxCrossEntropyLoss" or normalize_domain(node.domain) \
                 or not node.output or node.output[0] not in wanted:
             continue
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        if attrs.get("reduction", b"mean") != b"mean" or len(node.input) > 2 \
+        if attribute_or_default(node, "reduction") != b"mean" or len(node.input) > 2 \
                 or node.input[1] not in inputs:
             return None   # class weights, a sum, computed labels: no plain perplexity
-        return Classification(node.input[0], node.input[1], attrs.get("ignore_index"))
+        ignore = next((onnx.helper.get_attribute_value(a) for a in node.attribute
+                       if a.name == "ignore_index"), None)   # no default: every label counts
+        return Classification(node.input[0], node.input[1], ignore)
     return None
 
 

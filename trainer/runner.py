@@ -18,8 +18,10 @@ from graphopt import modelio
 from graphopt.errors import GraphoptError
 from graphopt.executor import ExecutorError, Session, describe_compiled_kernels, memory
 from graphopt.executor.session import value_type
+from graphopt.training.dropped_biases import restore_dropped_biases
 from graphopt.training.graph import has_yield
 from graphopt.training.prepare import trained_params, untied_params
+from graphopt.training.selection import listed_names
 from graphopt.training.shared import find_merges, split
 from graphopt.training.ties import tie_entries
 from graphopt.training.weights import with_weights
@@ -339,6 +341,7 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
         opts = dataclasses.replace(opts, seed=0)
     _check_seed(opts.seed)
     forward = _merged_parameters(opts, forward, external, say)
+    _restore_dropped_biases(forward, say)
     precision, note = default_precision(forward, opts.precision)
     if note:
         say(f"note: {note}")
@@ -620,6 +623,17 @@ def _warn_if_nothing_saved(opts: RunOptions, writer: bool, echo) -> None:
          "the interrupt message names it)")
 
 
+def _restore_dropped_biases(forward: onnx.ModelProto, say) -> None:
+    """The zero biases the dynamo exporter dropped, back in ``forward`` (the run's own copy)
+    as the parameters PyTorch trains (:mod:`graphopt.training.dropped_biases`)."""
+    if has_yield(forward):
+        return
+    restored = restore_dropped_biases(forward)
+    if restored:
+        say(f"restored {len(restored)} zero bias(es) the exporter dropped, as the parameters "
+            f"PyTorch trains: {listed_names(restored, 3)}")
+
+
 def _merged_parameters(opts: RunOptions, forward: onnx.ModelProto, external, say
                        ) -> onnx.ModelProto:
     """The forward model with each exporter-merged parameter (:mod:`graphopt.training.shared`)
@@ -669,6 +683,7 @@ def list_params(opts: RunOptions, echo: Callable[[str], None] = print) -> list[s
                             "trains what its graphopt metadata lists, or else the "
                             "initializers that have a '<name>_grad' output")
     forward = _merged_parameters(opts, forward, external, echo)
+    _restore_dropped_biases(forward, echo)
     params, ties = untied_params(forward, trained_params(forward, opts.freeze, opts.train),
                                  bool(opts.untie), external)
     lines = describe_params(forward, params, opts.freeze, opts.train, tie_entries(ties),

@@ -9,14 +9,13 @@ listing shows it by that name and ``--freeze``/``--train`` patterns reach it by 
 """
 from __future__ import annotations
 
-import ast
 import fnmatch
 
 import onnx
 
 from .selection import EXPORTER_CONSTANT_NAMES
+from .shared import NAME_SCOPES, module_scope
 
-NAME_SCOPES = "pkg.torch.onnx.name_scopes"
 # (op type, input index) -> the parameter of the module that op belongs to
 _ROLES = {("MatMul", 1): "weight", ("Gemm", 1): "weight", ("Gemm", 2): "bias",
           ("Conv", 1): "weight", ("Conv", 2): "bias", ("ConvTranspose", 1): "weight",
@@ -26,14 +25,8 @@ _ROLES = {("MatMul", 1): "weight", ("Gemm", 1): "weight", ("Gemm", 2): "bias",
 def _module_of(node: onnx.NodeProto) -> str | None:
     """The module path a node was exported from: its dynamo name scopes, or its TorchScript
     name ``/a/b.0/c/Op`` (the last part is the op's own)."""
-    for prop in node.metadata_props:
-        if prop.key == NAME_SCOPES:
-            try:
-                scopes = ast.literal_eval(prop.value)
-            except (ValueError, SyntaxError):
-                return None
-            parts = [s for s in scopes[:-1] if isinstance(s, str) and s]
-            return ".".join(parts) or None
+    if any(prop.key == NAME_SCOPES for prop in node.metadata_props):
+        return module_scope(node)
     if node.name.startswith("/") and node.name.count("/") >= 2:
         return ".".join(p for p in node.name.split("/")[1:-1] if p) or None
     return None

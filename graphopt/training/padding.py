@@ -15,7 +15,7 @@ import re
 import onnx
 
 from ..errors import GraphoptError
-from ..vocabulary import FLOAT_TYPES, STANDARD_DOMAIN, normalize_domain
+from ..vocabulary import FLOAT_TYPES, STANDARD_DOMAIN, attribute_or_default, normalize_domain
 
 FX_NODE = "pkg.torch.onnx.fx_node"
 # call_function[target=torch.ops.aten.embedding.default](args = (%weight, %indices, 3), ...)
@@ -38,8 +38,7 @@ def _lookups(graph: onnx.GraphProto):
     for node in graph.node:
         if node.op_type != "Gather" or normalize_domain(node.domain) != STANDARD_DOMAIN:
             continue
-        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-        if axis == 0 and node.input[0] in floats:
+        if attribute_or_default(node, "axis") == 0 and node.input[0] in floats:
             yield node, floats[node.input[0]]
 
 

@@ -123,7 +123,7 @@ def _parameters_read(source: str, readers: list[tuple[int, onnx.NodeProto]]
         if node.op_type == "Identity" and is_module_path(node.output[0]):
             groups.setdefault(node.output[0], []).append(index)
             continue
-        scope = _module_scope(node)
+        scope = module_scope(node)
         if scope is None:
             unscoped.append(index)   # TorchScript: the source's own module reads it directly
         else:
@@ -153,7 +153,7 @@ def name_scopes(node: onnx.NodeProto) -> list[str] | None:
     return scopes
 
 
-def _module_scope(node: onnx.NodeProto) -> str | None:
+def module_scope(node: onnx.NodeProto) -> str | None:
     """The deepest module a dynamo-exported node belongs to (its name scopes' last module)."""
     scopes = name_scopes(node)
     if scopes is None or len(scopes) < 2:

@@ -61,9 +61,9 @@ def _scoped_model(scopes_a, scopes_b) -> onnx.ModelProto:
 
 
 @pytest.mark.parametrize("second,expected", [
-    (["", "encoder", "proj", "matmul"], {"val_7": "encoder.proj.weight"}),   # one module
-    (["", "decoder", "proj", "matmul"], {}),                                  # two: ambiguous
+    (["", "encoder", "encoder.proj", "matmul_1"], {"val_7": "encoder.proj.weight"}),  # one
+    (["", "decoder", "decoder.proj", "matmul_1"], {}),                             # two
 ])
 def test_dynamo_name_scopes_name_a_weight_read_by_one_module(second, expected):
-    model = _scoped_model(["", "encoder", "proj", "matmul"], second)
+    model = _scoped_model(["", "encoder", "encoder.proj", "matmul"], second)
     assert module_paths(model) == expected
