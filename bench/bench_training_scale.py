@@ -42,7 +42,8 @@ but is no steady descent either (a 4-layer, 256-wide GPT-2 with GPT-2's vocabula
 -> 10.50 at its 4th step), and each such jump magnifies the two sides' float32 rounding, which
 the 1e-5 comparison would then measure instead of the training; at 1e-2 the loss falls every
 step. AdamW as `torch.optim.AdamW`'s defaults (betas 0.9/0.999, eps 1e-8, weight decay 0.01,
-graphopt's adamw default too), lr 1e-4.
+graphopt's adamw default too) with transformers' Trainer's groups (no decay on tensors of rank
+< 2, as graphopt's default), lr 1e-4.
 
 Steps: `--steps` (default 10 for models under 500M parameters, 4 for larger): the first is the
 warm-up, the median and the minimum of the others are reported (the benchmarks' method: at least 9
@@ -245,7 +246,10 @@ def torch_child(name: str, folder: str, data: str, optimizer: str, lr: float, st
     if optimizer == "sgd":
         opt = torch.optim.SGD(params, lr=lr, momentum=0.0, weight_decay=WEIGHT_DECAY["sgd"])
     else:
-        opt = torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY["adamw"], **ADAMW)
+        # transformers' Trainer's groups, graphopt's default: no decay on biases and norms
+        groups = [{"params": [p for p in params if p.ndim >= 2]},
+                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        opt = torch.optim.AdamW(groups, lr=lr, weight_decay=WEIGHT_DECAY["adamw"], **ADAMW)
     losses, seconds = [], []
     for _ in range(steps):
         start = time.perf_counter()
@@ -564,7 +568,8 @@ def report(args, cases: list[Case], results: dict) -> list[str]:
     lr = {o: args.lr if args.lr is not None else LR[o] for o in args.optimizer}
     optimizers = "; ".join(
         f"SGD (no momentum, weight decay 0) lr {lr[o]:g}" if o == "sgd" else
-        f"AdamW (betas 0.9/0.999, eps 1e-8, weight decay 0.01) lr {lr[o]:g}"
+        f"AdamW (betas 0.9/0.999, eps 1e-8, weight decay 0.01 on tensors of rank >= 2) "
+        f"lr {lr[o]:g}"
         for o in args.optimizer)
     extra = f" `{args.graphopt_args}`" if args.graphopt_args else ""
     lines = [
