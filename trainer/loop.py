@@ -424,7 +424,8 @@ class Trainer:
     def _micro_step(self, feeds: dict, scale: float, seed: int
                     ) -> tuple[float, dict[str, np.ndarray], bool, dict]:
         """Forward and backward on one (micro-)batch: (loss, unscaled gradients, finite,
-        the graph's outputs); the running statistics it computed are kept when finite."""
+        the graph's outputs); the running statistics it computed become the next
+        micro-batch's (train_step puts the step's first ones back if the step is skipped)."""
         for name, value in (*self.params.items(), *self.buffers.items()):
             feeds[name] = value.astype(self.compute_dtype, copy=False)
         if scale != 1.0:
@@ -440,7 +441,7 @@ class Trainer:
             out = self._run_graph(feeds)
         loss = float(sum(np.sum(out[name], dtype=np.float64) for name in self.graph.losses))
         loss, grads, finite = self._gradients(out, scale, loss)
-        if finite and math.isfinite(loss):  # a skipped step changes nothing, statistics too
+        if finite and math.isfinite(loss):
             self._update_buffers(out)
         return loss, grads, finite, out
 
@@ -450,6 +451,7 @@ class Trainer:
         scale = self.scaler.scale
         micro_batches = self.batches.micro_batches(step)
         seed = self.settings.seed * 1_000_003 + step
+        statistics = dict(self.buffers)   # the running statistics a skipped step keeps
         loss, grads, finite, out = self._micro_step(micro_batches[0], scale, seed)
         feeds = micro_batches[0]   # the (first) micro-batch a fault report runs again
         if len(micro_batches) > 1:
@@ -482,6 +484,7 @@ class Trainer:
                                  "such steps instead", finding)
         applied = self.scaler.update(kind is not None)
         if kind is not None:
+            self.buffers = statistics   # an earlier micro-batch's update goes too
             self.nonfinite[kind] = self.nonfinite.get(kind, 0) + 1
             if self.warn is not None and kind not in self._reported:
                 self._reported.add(kind)

@@ -120,3 +120,20 @@ def test_a_batch_norm_folded_into_its_conv_trains_the_conv_bias(tmp_path):
     assert all(name.startswith("onnx::Conv_") for name in conv_inputs)
     result = run(_options(tmp_path, "cnn_bn_folded_ts17.onnx", steps=1)).result
     assert set(conv_inputs) <= set(result.params)
+
+
+def test_a_skipped_accumulated_step_keeps_the_running_statistics(tmp_path):
+    """The first micro-batch is finite and updates the statistics, the second overflows:
+    the step is skipped, and the statistics are what they were before it."""
+    x, labels = TRUTH["x"][:8].copy(), TRUTH["labels"][:8]
+    second = Batches({"x": x}, ["x"], 4, SEED, accumulate=2).rows(0, 1)
+    x[second[0]] = np.inf
+    data = write_npz(tmp_path / "overflow.npz", {"x": x, "labels": labels})
+    model = os.path.join(FIXTURES, EXPORTS[0])
+    result = run(RunOptions(model=model, data=data, loss="cross_entropy", steps=1,
+                            batch_size=4, grad_accum=2, optimizer="sgd", lr=0.1, seed=SEED,
+                            loss_scale="dynamic", device="cpu", quiet=True)).result
+    assert result.skipped == 1
+    initial = {t.name: numpy_helper.to_array(t) for t in onnx.load(model).graph.initializer}
+    for name, value in result.buffers.items():
+        np.testing.assert_array_equal(value, initial[name], err_msg=name)
