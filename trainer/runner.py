@@ -495,8 +495,8 @@ def _kept(opts: RunOptions, trainer: Trainer) -> str | None:
 # another value is an error (the length, --steps/--epochs, may change: that trains on).
 RESUMED = ("loss", "labels", "optimizer", "lr", "weight_decay", "weight_decay_all", "precision",
            "loss_scale", "batch_size", "grad_accum", "seed", "freeze", "train", "ignore_index",
-           "padding_idx",
-           "lr_schedule", "warmup", "clip_grad_norm", "class_axis", "untie", "split_shared")
+           "padding_idx", "lr_schedule", "warmup", "clip_grad_norm", "class_axis", "untie",
+           "split_shared")
 
 
 def batch_accumulation(opts: RunOptions) -> int:
