@@ -1,6 +1,6 @@
 """The single GEMM entry point. Every GEMM-class kernel (MatMul, Gemm, FusedMatMul, the
 im2col products of Conv/ConvTranspose, ConvGrad's dX and dW) multiplies through here so
-that the FP16 numerics policy (executor/numerics.py) sees every product."""
+that the FP16 numerics policy (executor/numerics/) sees every product."""
 
 from __future__ import annotations
 

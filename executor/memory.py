@@ -40,6 +40,7 @@ from graphopt.tensor_types import infer_types as service_types
 
 from .errors import ExecutorError
 from .output_sizes import NoSizeEstimateError, output_types
+from .registry import normalize_domain
 
 ENV = "GRAPHOPT_MEMORY_LIMIT"
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -250,7 +251,7 @@ def complete_types(nodes, model: onnx.ModelProto, types: dict, constant,
     graph_nodes = model.graph.node
     for init in model.graph.initializer:  # inference lists no initializer in value_info
         types.setdefault(init.name, (init.data_type, list(init.dims)))
-    opsets = {o.domain or "": o.version for o in model.opset_import}
+    opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
     shapes: dict[str, np.ndarray] = {}  # Shape outputs whose value the static dims give
     outer = constant
 
@@ -405,7 +406,7 @@ class MemoryGuard:
         self.session = session
         self.device = session.backend.device
         self.resident = sum(int(getattr(a, "nbytes", 0)) for a in
-                            session._initializers.values())
+                            session.initializer_values.values())
         self.available = available_bytes(session.backend)
         if (self.available is not None and getattr(session.backend, "is_gpu", False)
                 and not os.environ.get(ENV)):
@@ -420,11 +421,11 @@ class MemoryGuard:
         self.values: list | None = None
         self.run_sizes: Mapping[str, int | None] | None = None
         self._resident_owners = frozenset(id(memory_owner(a)) for a in
-                                          session._initializers.values())
+                                          session.initializer_values.values())
 
     def _constant(self, name: str):
-        value = self.session._initializers.get(name)
-        if (value is None or name in self.session._overridable
+        value = self.session.initializer_values.get(name)
+        if (value is None or name in self.session.overridable
                 or getattr(value, "size", 1 << 20) > 4096):
             return None
         return self.session.backend.to_host(value)
@@ -434,7 +435,7 @@ class MemoryGuard:
         for name, shape in (input_shapes or {}).items():   # what the feeds are, exactly
             if name in types:
                 types[name] = (types[name][0], [int(d) for d in shape])
-        return complete_types(self.session._ordered, self.session.model, types, self._constant,
+        return complete_types(self.session.ordered_nodes, self.session.model, types, self._constant,
                               self._evaluate if self.session.backend.xp is np else None)
 
     def _evaluate(self, node, args):
@@ -462,7 +463,7 @@ class MemoryGuard:
     def fed_bytes(self) -> dict[str, int]:
         """Bytes of each initializer the caller feeds on every run (Session's ``fed``)."""
         return {name: int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
-                for name, (dtype, dims) in self.session._fed_types.items()}
+                for name, (dtype, dims) in self.session.fed_types.items()}
 
     def check_run(self, plan, feeds: Mapping[str, object]) -> int | None:
         """At run() start: bind dims from the feeds and refuse before any node runs.

@@ -191,6 +191,27 @@ class Session:
         peak, step = self._memory.estimate(plan, feeds)
         return peak, None if step is None else plan.steps[step].node.name
 
+    # -- what the memory guard reads ---------------------------------------------------------
+    @property
+    def initializer_values(self) -> Mapping[str, Any]:
+        """The initializers' arrays as the session holds them (on its device), by name."""
+        return self._initializers
+
+    @property
+    def overridable(self) -> frozenset[str]:
+        """Initializers a run may be fed instead (graph inputs, and the caller's ``fed``)."""
+        return frozenset(self._overridable)
+
+    @property
+    def ordered_nodes(self) -> list:
+        """The graph's nodes in the order the session runs them (plan nodes)."""
+        return self._ordered
+
+    @property
+    def fed_types(self) -> Mapping[str, tuple]:
+        """(dtype, dims) of each initializer the caller feeds on every run (``fed``)."""
+        return self._fed_types
+
     def constants_bytes(self) -> int:
         """Bytes the session holds for the model's initializers (not those it is fed)."""
         return int(self._memory.resident)

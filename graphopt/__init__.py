@@ -6,9 +6,19 @@ The public names load on first use, so that ``import graphopt`` is cheap: the co
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+# Python started in a source checkout imports this folder, not the installed package, and
+# the installed package's graphopt.executor, .trainer and .rules live beside it (setup.cfg's
+# package_dir maps them): search the checkout's root for subpackages too, so that
+# `from graphopt.executor import Session` works there as it does installed
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isfile(os.path.join(_ROOT, "setup.cfg")) and all(
+        os.path.isdir(os.path.join(_ROOT, sub)) for sub in ("executor", "trainer", "rules")):
+    __path__.append(_ROOT)   # noqa: F821  (a package's own search path)
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__ loads them
     from .api import optimize, optimize_file, select_rules  # noqa: F401

@@ -42,8 +42,8 @@ def main() -> None:
     except ModuleNotFoundError as exc:
         if not (exc.name or "").startswith("graphopt."):
             raise
-        # `python -m graphopt` in a source checkout's root imports its graphopt/ folder,
-        # which holds only part of the package (setup.cfg maps the other folders in)
+        # a copy of the graphopt/ folder without the folders setup.cfg maps in beside it
+        # (executor/, trainer/, rules/): graphopt/__init__.py finds them in a full checkout
         sys.stderr.write(
             f"graphopt: error: {exc.name} is missing: this Python imported graphopt from the "
             f"source folder {os.path.dirname(os.path.dirname(__file__))}, not from an "

@@ -18,7 +18,7 @@ import onnx
 from .checks import validate
 from .dsl import OpExpr, Pass, Rule
 from .errors import GraphoptError, RewriteRejected
-from .ir import MS_DOMAIN, Graph, Model
+from .ir import Graph, Model
 from .matching import Match, Miss, compiled_pattern
 from .report import Report
 from .rewrite import Rewriter, rewrite_in_place
@@ -275,4 +275,4 @@ def _opset_gate(rule, model: Model) -> str:
     return "gated by opset: needs " + ", ".join(needs)
 
 
-__all__ = ["Engine", "validate", "MS_DOMAIN"]
+__all__ = ["Engine", "validate"]

@@ -141,6 +141,28 @@ def external_tensors(proto: onnx.ModelProto) -> list[onnx.TensorProto]:
     return [t for t in everywhere() if t.data_location == onnx.TensorProto.EXTERNAL]
 
 
+def constant_node_value(node: onnx.NodeProto, max_elements: int = 1 << 30
+                        ) -> np.ndarray | None:
+    """The value a Constant node holds (its one value attribute: value, value_float(s),
+    value_int(s)), None for another kind (sparse, strings) or more than ``max_elements``.
+    Annotations such as __backwardpass do not change what a Constant holds."""
+    values = [a for a in node.attribute if not a.name.startswith("__")]
+    attr = values[0] if len(values) == 1 else None
+    if attr is None:
+        return None
+    if attr.name == "value":
+        if int(np.prod(attr.t.dims)) > max_elements:
+            return None
+        return numpy_helper.to_array(attr.t)
+    if attr.name in ("value_floats", "value_ints") and len(
+            attr.floats if attr.name == "value_floats" else attr.ints) > max_elements:
+        return None
+    if attr.name in ("value_float", "value_int", "value_floats", "value_ints"):
+        return np.array(onnx.helper.get_attribute_value(attr),
+                        dtype=np.float32 if "float" in attr.name else np.int64)
+    return None
+
+
 class NameGenerator:
     """Fresh names, unique across the whole model (all scopes), deterministic."""
 
@@ -202,29 +224,6 @@ def _all_names_indexed(graph: Graph) -> Iterator[str]:
     for node_id in graph._subgraph_owners:
         for sub in subgraphs_of(graph.node(node_id)):
             yield from _all_names(sub)
-
-
-def _hide_declarations(graph: onnx.GraphProto) -> list:
-    """Take out every value_info and output shape of ``graph`` and its subgraphs (undone by
-    _restore_declarations): the whole-model proto is not copied, weights included."""
-    hidden = [(graph, list(graph.value_info), [
-        (out, onnx.TypeProto.FromString(out.type.SerializeToString())) for out in graph.output
-        if out.type.HasField("tensor_type") and out.type.tensor_type.HasField("shape")])]
-    del graph.value_info[:]
-    for out, _ in hidden[0][2]:
-        out.type.tensor_type.ClearField("shape")
-    for node in graph.node:
-        for sub in subgraphs_of(node):
-            hidden.extend(_hide_declarations(sub))
-    return hidden
-
-
-def _restore_declarations(hidden: list) -> None:
-    for graph, value_info, outputs in hidden:
-        del graph.value_info[:]
-        graph.value_info.extend(value_info)
-        for out, tp in outputs:
-            out.type.CopyFrom(tp)
 
 
 def _refines(old: onnx.TypeProto, new: onnx.TypeProto) -> bool:
@@ -543,26 +542,7 @@ class Graph:
         node = self.nodes[node_id]
         if node.op_type != "Constant" or normalize_domain(node.domain):
             return None
-        node = self.node(node_id)
-        # Annotations such as __backwardpass do not change what a Constant holds.
-        values = [a for a in node.attribute if not a.name.startswith("__")]
-        attr = values[0] if len(values) == 1 else None
-        if attr is None:
-            return None
-        if attr.name == "value":
-            if int(np.prod(attr.t.dims)) > max_elements:
-                return None
-            return numpy_helper.to_array(attr.t)
-        if attr.name in ("value_floats", "value_ints") and len(
-                attr.floats if attr.name == "value_floats" else attr.ints) > max_elements:
-            return None
-        if attr.name in ("value_float", "value_int"):
-            return np.array(onnx.helper.get_attribute_value(attr),
-                            dtype=np.float32 if attr.name == "value_float" else np.int64)
-        if attr.name in ("value_floats", "value_ints"):
-            return np.array(onnx.helper.get_attribute_value(attr),
-                            dtype=np.float32 if attr.name == "value_floats" else np.int64)
-        return None
+        return constant_node_value(self.node(node_id), max_elements)
 
     def elem_type(self, tensor: str, infer: bool = True) -> int | None:
         """Element type; with ``infer``, runs whole-model inference once if it must."""
@@ -907,7 +887,9 @@ class Graph:
                 wanted[name] = out[index]
 
     def flush(self) -> None:
-        """Write nodes (in order), initializers and inferred types back into the proto."""
+        """Write the nodes (in order) and initializers back into the proto, and drop the
+        value_info of tensors no node produces or reads any more (types are not written:
+        whoever needs them infers them)."""
         if not self.changed:
             return
         if self.journal is not None:
@@ -1026,13 +1008,11 @@ class Model:
         start = time.perf_counter()
         self._found = {}
         proto = self.flush()
-        hidden = _hide_declarations(proto.graph)
         try:
-            self._found = infer_types(proto)
+            self._found = infer_types(proto)   # declarations hidden from it
         except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError):
             pass
         finally:
-            _restore_declarations(hidden)
             self.inference_seconds += time.perf_counter() - start
         return self._found
 

@@ -881,7 +881,8 @@ _TEMP_NAME = re.compile(rf"^\..+\.{TEMP_TAG}-(?P<host>[A-Za-z0-9_]+)-(?P<pid>[0-
                         r"[A-Za-z0-9_]+\.tmp$")
 
 
-def _host_tag() -> str:
+def host_tag() -> str:
+    """This host's name as temporary-file names carry it (letters, digits, _)."""
     return "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:32] or "host"
 
 
@@ -903,7 +904,7 @@ def _fit_name(stem: str, suffix: str, room: int = 0) -> str:
 def _temp_in(folder: str, stem: str, mode: int | None = None) -> str:
     """A new file, created with O_EXCL under an unpredictable name (mkstemp) in ``folder``:
     nothing planted at a guessable name can redirect the write."""
-    tag = f".{TEMP_TAG}-{_host_tag()}-{os.getpid()}-"
+    tag = f".{TEMP_TAG}-{host_tag()}-{os.getpid()}-"
     prefix = "." + _fit_name(stem, tag, room=1 + _RANDOM_CHARS + len(TEMP_SUFFIX))
     fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=TEMP_SUFFIX, dir=folder)
     try:
@@ -911,6 +912,13 @@ def _temp_in(folder: str, stem: str, mode: int | None = None) -> str:
     finally:
         os.close(fd)
     return tmp
+
+
+def temporary_file(folder: str, stem: str, mode: int | None = None) -> str:
+    """A new temporary file in ``folder`` for writing ``stem`` atomically, named so that
+    :func:`remove_stale_temporaries` knows its writer (host, pid): another writer of graphopt
+    files (checkpoints) takes its temporaries here, so one policy cleans up after all."""
+    return _temp_in(folder, stem, mode)
 
 
 def _write_temp(folder: str, stem: str, data: bytes, mode: int, staged: list[str]) -> str:
@@ -929,7 +937,7 @@ def remove_stale_temporaries(folder: str, stem: str | None = None) -> list[str]:
     old way (no pid: ``.<stem>.XXXXXXXX.tmp``), those of ``stem`` untouched for an hour."""
     removed = []
     legacy = re.compile(rf"^\.{re.escape(stem)}(\.data)?\.[a-z0-9_]{{8}}\.tmp$") if stem else None
-    now, me = time.time(), _host_tag()
+    now, me = time.time(), host_tag()
     try:
         names = os.listdir(folder)
     except OSError:

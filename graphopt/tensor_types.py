@@ -57,17 +57,48 @@ def infer_types(model: onnx.ModelProto,
                 input_shapes: Mapping[str, Sequence[int]] | None = None
                 ) -> dict[str, onnx.TypeProto]:
     """name -> type of the tensors inference types (value_info and outputs, subgraphs
-    included; the model's own declarations count as ONNX counts them), completed after the
-    com.microsoft ops. ``input_shapes``: graph inputs' dims to infer with instead of the
-    declared ones (the model is not changed). Raises what ONNX inference raises."""
+    included), completed after the com.microsoft ops. Inference starts from the graph's
+    inputs alone: the model's value_info and output shapes are claims, not facts (a
+    value_info can say [2,6,4] where the inputs give [B,S,4]), and are hidden from it, so a
+    declaration that lies cannot leak into the result; the optimizer, the gradient builder
+    and the memory guard all see the same types. ``input_shapes``: graph inputs' dims to
+    infer with instead of the declared ones (the model is not changed). Raises what ONNX
+    inference raises."""
     if input_shapes:
         model = _with_input_shapes(model, input_shapes)
-    with contrib_stand_ins(model):
-        inferred = infer_shapes(model)
+    hidden = _hide_declarations(model.graph)
+    try:
+        with contrib_stand_ins(model):
+            inferred = infer_shapes(model)
+    finally:
+        _restore_declarations(hidden)
     found: dict[str, onnx.TypeProto] = {}
     _collect(inferred.graph, found)
     complete_after_contrib_ops(inferred, found)
     return found
+
+
+def _hide_declarations(graph: onnx.GraphProto) -> list:
+    """Take out every value_info and output shape of ``graph`` and its subgraphs (undone by
+    _restore_declarations): the whole-model proto is not copied, weights included."""
+    hidden = [(graph, list(graph.value_info), [
+        (out, onnx.TypeProto.FromString(out.type.SerializeToString())) for out in graph.output
+        if out.type.HasField("tensor_type") and out.type.tensor_type.HasField("shape")])]
+    del graph.value_info[:]
+    for out, _ in hidden[0][2]:
+        out.type.tensor_type.ClearField("shape")
+    for node in graph.node:
+        for sub in subgraphs_of(node):
+            hidden.extend(_hide_declarations(sub))
+    return hidden
+
+
+def _restore_declarations(hidden: list) -> None:
+    for graph, value_info, outputs in hidden:
+        del graph.value_info[:]
+        graph.value_info.extend(value_info)
+        for out, tp in outputs:
+            out.type.CopyFrom(tp)
 
 
 def _with_input_shapes(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int]]

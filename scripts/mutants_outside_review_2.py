@@ -24,8 +24,7 @@ T_SCHED = ("tests/trainer/test_schedule_eval_plot.py", "tests/trainer/test_units
 T_OPT = ("tests/trainer/test_pytorch_truth.py", "tests/trainer/test_units.py")
 T_SCALE = ("tests/trainer/test_units.py", "tests/trainer/test_loss_scale_unscale.py",
            "tests/trainer/test_pytorch_truth.py")
-# (test_reliability_training_state.py::test_item14_unsupported_ops_in_run_are_one_line fails
-# on main as it stands, so only the checkpoint-validation test of that file is named)
+# the checkpoint tests, and of the training-state file the one that validates checkpoints
 T_CKPT = ("tests/trainer/test_checkpoint_promises.py", "tests/trainer/test_resume.py",
           "tests/robustness/test_reliability_training_state.py::"
           "test_item16_every_checkpoint_field_is_validated")
@@ -41,11 +40,7 @@ T_GUARD = ("tests/executor/numerics/test_guard.py",
            "tests/executor/numerics/test_session_integration.py")
 T_ENGINE = ("tests/engine/test_engine_promises.py", "tests/engine/test_engine.py",
             "tests/ir/test_rollback.py")
-# test_every_differentiated_op_has_a_pytorch_case fails on this branch as it stands
-# (Reciprocal has a gradient but no PyTorch case): deselected so the baseline can pass
-T_GRAD = ("tests/training/test_pytorch_op_gradients.py", "tests/training/test_op_gradients.py",
-          "--deselect", "tests/training/test_pytorch_op_gradients.py::"
-          "test_every_differentiated_op_has_a_pytorch_case")
+T_GRAD = ("tests/training/test_pytorch_op_gradients.py", "tests/training/test_op_gradients.py")
 T_MODELIO = ("tests/ir/test_modelio.py", "tests/cli/test_cli.py",
              "tests/robustness/test_reliability_data_loss.py")
 

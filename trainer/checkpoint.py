@@ -36,7 +36,6 @@ import math
 import os
 import socket
 import stat
-import tempfile
 import time
 import zipfile
 from collections.abc import Callable
@@ -44,13 +43,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from graphopt import modelio
 from graphopt.errors import GraphoptError
 from graphopt.modelio import _kind, file_mode_for, open_regular, process_alive, refuse_special_file
 
 FILENAME = "checkpoint.npz"
 FORMAT = 1
-TEMP_PREFIX = ".checkpoint-"
-TEMP_SUFFIX = ".npz.tmp"
+# a checkpoint's temporary file is modelio's (.checkpoint.npz.graphopt-<host>-<pid>-XXXX.tmp):
+# one stale-temporary policy for every file graphopt writes
+TEMP_PREFIX = f".{FILENAME}.{modelio.TEMP_TAG}-"
+TEMP_SUFFIX = modelio.TEMP_SUFFIX
 
 
 class CheckpointWriteError(GraphoptError):
@@ -74,10 +76,6 @@ class Checkpoint:
 
 def path_in(directory: str) -> str:
     return os.path.join(directory, FILENAME)
-
-
-def _host_tag() -> str:
-    return "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:32] or "host"
 
 
 def _write_archive(f, arrays: dict) -> None:
@@ -106,10 +104,8 @@ def save(directory: str, checkpoint: Checkpoint) -> str:
     tmp = None
     try:
         os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{_host_tag()}-{os.getpid()}-",
-                                   suffix=TEMP_SUFFIX, dir=directory)
-        os.fchmod(fd, file_mode_for(target))  # mkstemp's 0600 would ignore the umask
-        with os.fdopen(fd, "wb") as f:
+        tmp = modelio.temporary_file(directory, FILENAME, file_mode_for(target))
+        with open(tmp, "wb") as f:
             _write_archive(f, arrays)
             f.flush()
             os.fsync(f.fileno())
@@ -122,7 +118,7 @@ def save(directory: str, checkpoint: Checkpoint) -> str:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
     _fsync_directory(directory)
-    _remove_stale_temporaries(directory)
+    modelio.remove_stale_temporaries(directory, FILENAME)
     return target
 
 
@@ -451,19 +447,6 @@ def _describe_owner(owner: dict) -> str:
         return "owner unknown"
     since = f", since {owner['started']}" if owner.get("started") else ""
     return f"pid {owner['pid']} on {owner.get('host', '?')}{since}"
-
-
-def _remove_stale_temporaries(directory: str) -> None:
-    """Temporary files of writers on this host that died before they could clean up."""
-    mine = f"{TEMP_PREFIX}{_host_tag()}-"
-    with contextlib.suppress(OSError):
-        for name in os.listdir(directory):
-            if not (name.startswith(mine) and name.endswith(TEMP_SUFFIX)):
-                continue
-            pid = name[len(mine):].split("-", 1)[0]
-            if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(directory, name))
 
 
 def _fsync_directory(directory: str) -> None:

@@ -10,7 +10,9 @@ from ..registry import kernel
 from ._util import column_sums, compute_dtype, norm_axis, row_sums, summed_by_rows
 
 
-def _axes(ctx, node, x, axes_input):
+def reduce_axes(ctx, node, x, axes_input):
+    """A Reduce node's axes: its axes input (or attribute) normalised, or all of them, or
+    None for noop_with_empty_axes (the identity)."""
     if axes_input is None or axes_input.size == 0:
         if node.attr("noop_with_empty_axes"):
             return None  # identity
@@ -120,7 +122,7 @@ def _attr_kernel(fn):
 
 def _input_kernel(fn):
     def run(ctx, node, x, axes=None):
-        return _empty_reduce(ctx.xp, fn, x, _axes(ctx, node, x, axes),
+        return _empty_reduce(ctx.xp, fn, x, reduce_axes(ctx, node, x, axes),
                              node.attr("keepdims"))
 
     return run

@@ -27,7 +27,7 @@ from ._util import (
     summed_by_rows,
 )
 from .nn import as_rows, coerced_axes, empty_in_order, per_row_params, single_axis
-from .reduce import _axes, reduce_sum
+from .reduce import reduce_axes, reduce_sum
 from .shape import slice_index, split_array, split_sizes
 
 
@@ -194,10 +194,10 @@ def split_training(ctx, node, x, split):
 
 @_ms("ReduceSumTraining")
 def reduce_sum_training(ctx, node, x, axes):
-    reduce_axes = _axes(ctx, node, x, axes)
-    if reduce_axes is None:
+    axes_reduced = reduce_axes(ctx, node, x, axes)
+    if axes_reduced is None:
         return x.copy()
-    return reduce_sum(ctx.xp, x, reduce_axes, bool(node.attr("keepdims")))
+    return reduce_sum(ctx.xp, x, axes_reduced, bool(node.attr("keepdims")))
 
 
 @_ms("BroadcastGradientArgs")

@@ -157,7 +157,9 @@ def differentiable_fusions(level: int, disable=()) -> list[str]:
 
 def _check_trains(graph: TrainingGraph) -> TrainingGraph:
     if not graph.params:
-        raise GraphoptError("the training graph has no '<param>_grad' output: nothing to train")
+        raise GraphoptError("nothing to train: the training graph trains no parameter (its "
+                            "graphopt metadata lists none, or, without that metadata, no "
+                            "initializer P has a 'P_grad' output)")
     return graph
 
 

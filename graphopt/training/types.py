@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from ..ir import constant_node_value
 from ..tensor_types import infer_types
 from ..vocabulary import FLOAT_TYPES, STANDARD_DOMAIN, normalize_domain, type_dims
 
@@ -36,23 +37,26 @@ class TypeTable:
             found = infer_types(model)
         except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError):
             found = {}  # fall back on what the model declares; dynamic paths cover the rest
-        declared = {vi.name: vi.type for vi in itertools.chain(graph.input, graph.output,
-                                                               graph.value_info)}
+        # the inputs' and outputs' declarations where inference finds nothing; value_info
+        # is a claim inference checks, not a fact (graphopt.tensor_types.infer_types)
+        declared = {vi.name: vi.type for vi in itertools.chain(graph.input, graph.output)}
         # types from the inference; values (initializers, Constants) from the model itself:
         # inference ran on a view without the weights' bytes
         for name, type_proto in itertools.chain(declared.items(), found.items()):
             if type_proto.HasField("tensor_type"):
                 table.set(name, type_proto.tensor_type.elem_type or None, type_dims(type_proto))
+        fed = {i.name for i in graph.input}   # an initializer a run may be fed is no constant
         for init in graph.initializer:
             table.set(init.name, init.data_type, list(init.dims))
-            table._constants[init.name] = init
+            if init.name not in fed:
+                table._constants[init.name] = init
         for node in graph.node:
-            if (node.op_type == "Constant" and normalize_domain(node.domain) == STANDARD_DOMAIN
-                    and node.attribute):
-                attr = node.attribute[0]
-                table._constants[node.output[0]] = attr
-                if attr.name == "value":
-                    table.set(node.output[0], attr.t.data_type, list(attr.t.dims))
+            if node.op_type == "Constant" and normalize_domain(node.domain) == STANDARD_DOMAIN:
+                table._constants[node.output[0]] = node
+                value = constant_node_value(node)
+                if value is not None:
+                    table.set(node.output[0], onnx.helper.np_dtype_to_tensor_dtype(value.dtype),
+                              list(value.shape))
         return table
 
     def set(self, name: str, elem_type: int | None, dims: list[Dim] | None) -> None:
@@ -79,18 +83,14 @@ class TypeTable:
         return list(shape)
 
     def constant(self, name: str) -> np.ndarray | None:
-        """The value of an initializer or Constant node, None for computed tensors."""
+        """The value of an initializer (one a run cannot be fed) or Constant node, None for
+        computed tensors; a Constant is read as graphopt.ir reads it."""
         source = self._constants.get(name)
         if source is None:
             return None
         if isinstance(source, onnx.TensorProto):
             return numpy_helper.to_array(source)
-        if source.name == "value":
-            return numpy_helper.to_array(source.t)
-        if source.name in ("value_int", "value_ints", "value_float", "value_floats"):
-            value = onnx.helper.get_attribute_value(source)
-            return np.array(value, dtype=np.int64 if "int" in source.name else np.float32)
-        return None
+        return constant_node_value(source)
 
     def is_float(self, name: str) -> bool:
         """Unknown types count as float: better to ask for a gradient than to drop one."""

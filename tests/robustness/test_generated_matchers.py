@@ -1,7 +1,7 @@
-"""Differential test of the matcher generator: at every anchor node of random graphs, the
-matcher generated as Python source and the closure matcher (the one --explain runs) agree
-on whether a pattern matches and on everything it binds, for patterns using each feature
-of the pattern language."""
+"""Differential test of the two matchers generated from one pattern: at every anchor node of
+random graphs, the fast matcher the engine runs and the explaining matcher (the one --explain
+and fan-out rules run, which says why a candidate misses) agree on whether a pattern matches
+and on everything it binds, for patterns using each feature of the pattern language."""
 from __future__ import annotations
 
 import numpy as np
@@ -41,12 +41,12 @@ def _agree(graph, compiled: CompiledPattern, node_id: int) -> bool:
     """Whether the pattern matched at ``node_id``; fails if the two matchers disagree."""
     key = graph.op_key(node_id)
     generated = compiled.fast_by_key[key](graph)(node_id)
-    closure = compiled.match(graph, node_id)
-    if isinstance(closure, Miss):
-        assert generated is None, f"generated matched where the closure matcher says: {closure}"
+    explained = compiled.match(graph, node_id)
+    if isinstance(explained, Miss):
+        assert generated is None, f"fast matched where the explaining matcher says: {explained}"
         return False
-    assert generated is not None, "closure matcher matched, generated one did not"
-    bindings, roots = closure
+    assert generated is not None, "the explaining matcher matched, the fast one did not"
+    bindings, roots = explained
     assert dict(generated._bindings) == dict(bindings)
     assert generated._kinds == bindings.kinds
     assert generated.nodes == bindings.nodes and generated.roots == roots
@@ -99,7 +99,7 @@ def test_every_pattern_matches_the_same_way_on_a_graph_with_every_feature():
 
 
 @given(graphs())
-def test_generated_and_closure_matchers_agree_on_random_graphs(model_and_info):
+def test_fast_and_explaining_matchers_agree_on_random_graphs(model_and_info):
     model, _ = model_and_info
     graph = modelio.load(model, check=False).graph
     for compiled in COMPILED.values():

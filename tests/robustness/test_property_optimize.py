@@ -34,7 +34,7 @@ def test_optimize_random_graphs(model_and_info):
 @given(graphs())
 def test_generated_matchers_rewrite_as_the_explaining_matchers_do(model_and_info):
     """By default the engine runs matchers generated as Python source; for rules being
-    explained it runs the closure matchers that say why a candidate misses. Both must make
+    explained it runs the explaining matchers that say why a candidate misses. Both must make
     the same rewrites: the outputs are byte-identical."""
     model, _ = model_and_info
     everything = [rule.name for rule in select_rules(level=2)]

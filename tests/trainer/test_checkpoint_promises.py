@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 
+from graphopt import modelio
 from graphopt.trainer import checkpoint as ckpt
 
 
@@ -44,7 +45,7 @@ def test_the_file_is_fsynced_before_the_rename_and_the_directory_after(tmp_path,
 
 
 def _temp_name(pid: int) -> str:
-    return f"{ckpt.TEMP_PREFIX}{ckpt._host_tag()}-{pid}-abc{ckpt.TEMP_SUFFIX}"
+    return f"{ckpt.TEMP_PREFIX}{modelio.host_tag()}-{pid}-abc{ckpt.TEMP_SUFFIX}"
 
 
 def _dead_pid() -> int:
@@ -67,7 +68,7 @@ def test_a_live_writers_temporary_file_survives_the_clean_up(tmp_path):
     ours.write_bytes(b"ours, being written")
     dead = tmp_path / _temp_name(_dead_pid())
     dead.write_bytes(b"left by a killed writer")
-    other_host = tmp_path / f"{ckpt.TEMP_PREFIX}{ckpt._host_tag()}x-1-abc{ckpt.TEMP_SUFFIX}"
+    other_host = tmp_path / f"{ckpt.TEMP_PREFIX}{modelio.host_tag()}x-1-abc{ckpt.TEMP_SUFFIX}"
     other_host.write_bytes(b"another host's writer")
     ckpt.save(str(tmp_path), _checkpoint())
     assert live.exists() and live.read_bytes() == b"being written"
