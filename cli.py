@@ -14,7 +14,6 @@ from graphopt.console import INTERRUPTED, printable
 from graphopt.errors import GraphoptError, Terminated
 from graphopt.profile import Profile
 from graphopt.registry import all_rules
-from graphopt.training.recompute import RECOMPUTE_MODES
 
 # The library's messages name its Python parameters; on the command line the same advice
 # is an option. (Python name as the library writes it, what a CLI user types instead.)
@@ -290,131 +289,51 @@ def list_rules():
 
 
 
+def _click_parameter(name: str, default, flag):
+    """The click decorator adding one RunOptions field's option or argument
+    (trainer/options.py)."""
+    if flag.kind == "argument":
+        return click.argument(name, required=False,
+                              type=click.Path(dir_okay=False, path_type=str))
+    kinds = {"text": None, "int": int, "float": float,
+             "path": click.Path(path_type=str),
+             "dir": click.Path(file_okay=False, path_type=str)}
+    settings: dict = {"help": flag.help or None, "metavar": flag.metavar}
+    if flag.kind == "choice":
+        settings["type"] = click.Choice(list(flag.choices))
+    elif flag.low is not None or flag.high is not None:
+        settings["type"] = click.IntRange(flag.low, flag.high)
+    elif flag.kind in kinds:
+        settings["type"] = kinds[flag.kind]
+    if flag.kind == "flag":
+        settings["is_flag"] = True
+        settings["default"] = None if default is None else default
+    elif flag.kind == "switch":
+        settings["default"] = None
+    elif flag.kind == "many":
+        settings["multiple"] = True
+    elif flag.kind == "optional":
+        settings.update(is_flag=False, flag_value=flag.flag_value, default=None)
+    else:
+        settings["default"] = default
+    if flag.show_default:
+        settings["show_default"] = True
+    return click.option(*flag.names, name, **settings)
+
+
+def _run_options(command):
+    """Decorate ``command`` with one option per RunOptions field, in the fields' order."""
+    from graphopt.trainer.options import command_line
+
+    for name, default, flag in reversed(command_line()):   # decorators apply bottom-up
+        command = _click_parameter(name, default, flag)(command)
+    return command
+
+
 @main.command("run", cls=_OneLineUsageErrors)
-@click.argument("model", required=False, type=click.Path(dir_okay=False, path_type=str))
-@click.option("--example", metavar="NAME",
-              help="Train a built-in example instead of MODEL: mqa, mlp-digits.")
-@click.option("--data", metavar="FILE.npz", type=click.Path(path_type=str),
-              help="Training arrays named after the graph inputs, batched along axis 0.")
-@click.option("--loss", metavar="KIND|OUTPUT",
-              help="cross_entropy, mse, output, or the name of a scalar graph output; "
-                   "cross_entropy:OUTPUT or mse:OUTPUT picks the prediction of a model with "
-                   "several outputs.")
-@click.option("--labels", metavar="NAME", help="Name of the labels input cross_entropy/mse add.")
-@click.option("--ignore-index", type=int, metavar="N",
-              help="cross_entropy: labels equal to N do not count (default -100, as PyTorch; "
-                   "padding in language-model batches). The class axis of the logits is the "
-                   "one whose removal gives the labels' shape.")
-@click.option("--padding-idx", type=int, metavar="N",
-              help="Row N of the token embedding gets no gradient from its lookups, as "
-                   "nn.Embedding(padding_idx=N) (found in dynamo exports; TorchScript drops "
-                   "it).")
-@click.option("--class-axis", type=int, metavar="AXIS",
-              help="cross_entropy: the logits' class axis, where two axes could be (e.g. a "
-                   "sequence as long as the vocabulary).")
-@click.option("--steps", type=int, help="Number of optimizer steps.")
-@click.option("--epochs", type=int, help="Number of passes over the data (instead of --steps).")
-@click.option("--batch-size", type=int, help="Samples per step (default 32).")
-@click.option("--grad-accum", type=int, metavar="N",
-              help="Accumulate the gradients of N batches of --batch-size per optimizer step "
-                   "(their mean, as transformers' Trainer): N times the batch in one batch's "
-                   "activation memory.")
-@click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adamw"]),
-              help="Default adamw.")
-@click.option("--lr", type=float, help="Learning rate (default 1e-3).")
-@click.option("--weight-decay", type=float,
-              help="L2 for sgd/momentum (default 0), decoupled for adamw (default 0.01); "
-                   "biases and norm weights (tensors of rank < 2) are exempt, as in "
-                   "transformers' Trainer.")
-@click.option("--weight-decay-all", is_flag=True,
-              help="Decay every tensor, biases and norm weights too (a bare torch.optim).")
-@click.option("--lr-schedule", type=click.Choice(["constant", "linear", "cosine"]),
-              help="Learning-rate schedule after --warmup (default constant), as transformers'.")
-@click.option("--warmup", type=click.IntRange(min=0), metavar="N",
-              help="Raise the learning rate linearly from 0 over the first N steps.")
-@click.option("--clip-grad-norm", type=float, metavar="MAX",
-              help="Scale the gradients down when their global L2 norm exceeds MAX.")
-@click.option("--eval-data", type=click.Path(path_type=str), metavar="FILE.npz",
-              help="Held-out arrays: their mean loss is logged, printed and plotted.")
-@click.option("--eval-every", type=click.IntRange(min=1), metavar="N",
-              help="Evaluate every N steps (default: every epoch, and at the end).")
-@click.option("--precision", type=click.Choice(["fp32", "mixed", "fp16"]),
-              help="mixed: FP16 compute, FP32 master weights; fp16: FP16 master weights too "
-                   "(default: fp32, mixed for a float16 model).")
-@click.option("--loss-scale", metavar="SPEC",
-              help="none | static:N | dynamic[:INIT[:INTERVAL]] (default: dynamic for "
-                   "mixed/fp16, none for fp32).")
-@click.option("--device", default="auto", show_default=True,
-              type=click.Choice(["auto", "cpu", "cuda", "rocm"]))
-@click.option("--numerics", default="auto", show_default=True,
-              type=click.Choice(["auto", "native", "mi200"]),
-              help="FP16 GEMM numerics; mi200 emulates MI200 denormal flushing.")
-@click.option("--level", type=click.IntRange(1, 2), default=2, show_default=True,
-              help="Rewrites applied to the training graph.")
-@click.option("--freeze", multiple=True, metavar="PATTERN", help="Do not train these weights.")
-@click.option("--train", "train_", multiple=True, metavar="PATTERN",
-              help="Train these initializers even if --freeze matches them or they look like "
-                   "exporter constants.")
-@click.option("--untie", is_flag=True, default=None,
-              help="Train apart the copies of a weight the exporter wrote twice (a tied "
-                   "output projection); by default they are trained as one, as PyTorch does.")
-@click.option("--split-shared/--no-split-shared", default=None,
-              help="Give each module its own copy of a parameter the exporter merged with "
-                   "others because they started equal (a fresh model's norms and biases): "
-                   "the default; --no-split-shared trains each merged tensor as one.")
-@click.option("--recompute", type=click.Choice(RECOMPUTE_MODES), default=None,
-              help="layers: keep only what enters each transformer layer for the backward "
-                   "pass and compute the layer's activations again there (less memory, about "
-                   "a third more compute, as torch.utils.checkpoint per block); default none.")
-@click.option("--list-params", is_flag=True,
-              help="Print what would be trained (and what not, and why), then exit.")
-@click.option("--disable", multiple=True, metavar="RULE", help="Do not run this rule.")
-@click.option("--seed", type=click.IntRange(0, 2**32 - 1),
-              help="Data order and dropout seed (default 0).")
-@click.option("--save-graph", type=click.Path(path_type=str), metavar="FILE.onnx",
-              help="Write the rewritten training graph.")
-@click.option("--checkpoint", type=click.Path(file_okay=False, path_type=str), metavar="DIR",
-              help="Save checkpoints here (each epoch, at the end, and on Ctrl-C).")
-@click.option("--checkpoint-every", type=click.IntRange(min=1), metavar="N",
-              help="Checkpoint every N steps instead of every epoch.")
-@click.option("--resume", is_flag=True,
-              help="Continue the run saved in --checkpoint DIR, with its settings (give "
-                   "--steps/--epochs to train longer).")
-@click.option("--allow-changed-graph", is_flag=True,
-              help="Resume a checkpoint written for another training graph (e.g. to fine-tune "
-                   "a changed head); the weights must still match by name and shape.")
-@click.option("--log", "log_file", type=click.Path(path_type=str), metavar="FILE",
-              help="Per-step log, FILE.csv or FILE.jsonl.")
-@click.option("--plot", type=click.Path(path_type=str), metavar="FILE.png|svg|pdf",
-              help="Loss curves, raw and smoothed, and the held-out loss; the format follows "
-                   "the extension (needs matplotlib).")
-@click.option("--denormal-report", is_flag=False, flag_value="-", default=None,
-              metavar="[FILE.json]",
-              help="Print the nodes with the most FP16 denormals; also write JSON to FILE.")
-@click.option("-o", "--output", type=click.Path(path_type=str), metavar="FILE.onnx",
-              help="Write the trained model (forward graph, trained weights).")
-@click.option("--in-place", is_flag=True, help="Allow -o to overwrite the input model.")
-@click.option("-q", "--quiet", is_flag=True, help="Only errors and the interruption notice.")
-@click.option("--distributed", is_flag=True,
-              help="Data parallel over the ranks of mpirun/mpiexec/srun (needs mpi4py); "
-                   "--batch-size is the global batch, split evenly across the ranks.")
-@click.option("--bucket-mb", type=float, metavar="MIB",
-              help="Gradient all-reduce bucket size with --distributed (default 25).")
-@click.option("--dist-timeout", type=float, metavar="SECONDS",
-              help="Abort the job when a rank is this late for a collective (default 300).")
-@click.option("--dist-check-every", type=click.IntRange(min=0), metavar="K",
-              help="Check that every rank holds the same weights every K steps (default 0: "
-                   "never).")
-@click.option("--dist-overlap/--no-dist-overlap", default=None,
-              help="All-reduce gradient buckets during the backward pass (default) or after.")
+@_run_options
 @user_errors
-def run(model, example, data, loss, labels, steps, epochs, batch_size, grad_accum, optimizer,
-        lr, weight_decay, weight_decay_all, precision, loss_scale, device, numerics, level,
-        freeze, train_, disable, seed, save_graph, checkpoint, checkpoint_every, resume,
-        log_file, plot, denormal_report, output, in_place, quiet, distributed, bucket_mb,
-        dist_timeout, dist_check_every, dist_overlap, list_params, ignore_index, padding_idx,
-        lr_schedule, warmup, clip_grad_norm, eval_data, eval_every, allow_changed_graph,
-        class_axis, untie, split_shared, recompute):
+def run(**values):
     """Train MODEL (or a built-in --example) with the graphopt executor.
 
     \b
@@ -426,23 +345,12 @@ def run(model, example, data, loss, labels, steps, epochs, batch_size, grad_accu
     from graphopt.trainer import run as run_training
     from graphopt.trainer.runner import list_params as print_params
 
-    options = RunOptions(
-        model=model, example=example, data=data, loss=loss, labels=labels, steps=steps,
-        epochs=epochs, batch_size=batch_size, grad_accum=grad_accum, optimizer=optimizer, lr=lr,
-        weight_decay=weight_decay, weight_decay_all=weight_decay_all or None,
-        precision=precision, loss_scale=loss_scale, device=device,
-        numerics=numerics, level=level, freeze=freeze, train=train_, disable=disable,
-        seed=seed, save_graph=save_graph, checkpoint=checkpoint,
-        checkpoint_every=checkpoint_every, resume=resume,
-        allow_changed_graph=allow_changed_graph, log=log_file, plot=plot,
-        denormal_report=denormal_report, output=output, overwrite_input=in_place, quiet=quiet,
-        distributed=distributed, bucket_mb=bucket_mb, dist_timeout=dist_timeout,
-        dist_check_every=dist_check_every, dist_overlap=dist_overlap, ignore_index=ignore_index,
-        padding_idx=padding_idx,
-        lr_schedule=lr_schedule, warmup=warmup, clip_grad_norm=clip_grad_norm,
-        eval_data=eval_data, eval_every=eval_every, class_axis=class_axis,
-        untie=untie or None, split_shared=split_shared, recompute=recompute)
-    if list_params:
+    for name in ("untie", "weight_decay_all"):   # a flag left out is "not given" (None)
+        values[name] = values[name] or None
+    for name in ("freeze", "train", "disable"):
+        values[name] = tuple(values[name])
+    options = RunOptions(**values)
+    if options.list_params:
         print_params(options, echo=echo)
         return
     outcome = run_training(options, echo=echo)

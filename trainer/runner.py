@@ -33,6 +33,7 @@ from .export import plot_format, plot_losses, require_matplotlib, save_model
 from .loop import LoopSettings, NonFiniteError, Trainer, TrainResult
 from .loss_scaling import parse_loss_scale
 from .optimizers import make_optimizer
+from .options import RunOptions
 from .precision import default_precision
 from .progress import Progress, StepLog
 from .schedule import check_schedule
@@ -41,61 +42,6 @@ from .training_graph import RunGraph, build, describe_params, tensor_value, with
 # Without --checkpoint, a Ctrl-C saves in ./INTERRUPT_DIR/<model>-<run id>/: a folder per run
 # (see checkpoint.claim_run_folder), so one run's Ctrl-C never replaces another run's checkpoint.
 INTERRUPT_DIR = "graphopt-checkpoint"
-
-
-@dataclass
-class RunOptions:
-    model: str | None = None              # a path, or None with ``example``
-    example: str | None = None
-    data: str | None = None               # .npz; examples bring their own
-    loss: str | None = None
-    labels: str | None = None
-    steps: int | None = None
-    epochs: int | None = None
-    batch_size: int | None = None
-    grad_accum: int | None = None         # micro-batches of batch_size per step (None: 1)
-    optimizer: str | None = None
-    lr: float | None = None
-    weight_decay: float | None = None
-    weight_decay_all: bool | None = None  # decay biases and norm weights too (None: not)
-    precision: str | None = None          # None: the model's own (fp16 weights -> mixed)
-    loss_scale: str | None = None
-    device: str = "auto"
-    numerics: str = "auto"
-    level: int = 2
-    freeze: tuple[str, ...] = ()
-    train: tuple[str, ...] = ()
-    disable: tuple[str, ...] = ()         # rule names (the benchmark disables the Split fusion)
-    seed: int | None = None               # None: 0, or the checkpoint's with --resume
-    save_graph: str | None = None
-    checkpoint: str | None = None
-    checkpoint_every: int | None = None
-    resume: bool = False
-    allow_changed_graph: bool = False     # --resume a checkpoint of another training graph
-    log: str | None = None
-    plot: str | None = None
-    denormal_report: str | None = None    # "-" prints only
-    output: str | None = None
-    overwrite_input: bool = False
-    quiet: bool = False
-    list_params: bool = False             # print what would be trained, then stop
-    ignore_index: int | None = None       # cross_entropy labels not counted (None: -100)
-    padding_idx: int | None = None        # embedding row token lookups give no gradient
-    class_axis: int | None = None         # cross_entropy: the logits' class axis (None: found)
-    untie: bool | None = None             # train tied copies apart (None: tied, as PyTorch)
-    split_shared: bool | None = None      # one copy per module of a merged tensor (None: yes)
-    recompute: str | None = None          # none | layers: activations kept or computed again
-    lr_schedule: str | None = None        # constant | linear | cosine (None: constant)
-    warmup: int | None = None             # steps of linear warmup from 0 (None: 0)
-    clip_grad_norm: float | None = None   # clip the gradients' global L2 norm to this
-    eval_data: str | None = None          # .npz of held-out data: its loss is logged, plotted
-    eval_every: int | None = None         # steps between evaluations (None: every epoch)
-    # data parallel (see .distributed): None means the default
-    distributed: bool = False
-    bucket_mb: float | None = None        # MiB per gradient all-reduce bucket (25)
-    dist_timeout: float | None = None     # seconds a collective may wait (300)
-    dist_check_every: int | None = None   # compare weight checksums every K steps (0: never)
-    dist_overlap: bool | None = None      # all-reduce during the backward pass (True)
 
 
 @dataclass
