@@ -47,6 +47,8 @@ from graphopt import modelio
 from graphopt.errors import GraphoptError
 from graphopt.modelio import _kind, file_mode_for, open_regular, process_alive, refuse_special_file
 
+from .optimizers import OPTIMIZERS
+
 FILENAME = "checkpoint.npz"
 FORMAT = 1
 # a checkpoint's temporary file is modelio's (.checkpoint.npz.graphopt-<host>-<pid>-XXXX.tmp):
@@ -727,16 +729,16 @@ def _validate(meta: dict, params: dict, optimizer_arrays: dict) -> None:
         skipped += not record["applied"]
         _int(record.get("skipped"), f"{what}: skipped", skipped, skipped)
     optimizer = _dict(meta, "optimizer")
-    if not isinstance(optimizer.get("name"), str):
-        raise InvalidField(f"optimizer name is {optimizer.get('name')!r}")
+    optimizer_class = OPTIMIZERS.get(optimizer.get("name")) \
+        if isinstance(optimizer.get("name"), str) else None
+    if optimizer_class is None:
+        raise InvalidField(f"optimizer name is {optimizer.get('name')!r}, not one of "
+                           f"{', '.join(OPTIMIZERS)}")
     _int(optimizer.get("steps"), "optimizer steps", applied, applied)
     _number(optimizer.get("lr"), "optimizer lr", positive=True)
-    for key, value in optimizer.items():
-        if key == "decay_all":
-            if not isinstance(value, bool):
-                raise InvalidField(f"optimizer decay_all is {value!r}, not true/false")
-        elif key not in ("name", "steps"):
-            _number(value, f"optimizer {key}", low=0)
+    problem = optimizer_class.scalars_problem(optimizer)   # each checks its own scalars
+    if problem:
+        raise InvalidField(problem)
     scaler = _dict(meta, "scaler")
     kind = scaler.get("kind")
     if kind not in ("static", "dynamic"):

@@ -46,6 +46,30 @@ class Optimizer:
     name = ""   # what --optimizer calls it (see OPTIMIZERS)
     default_weight_decay = 0.0   # without --weight-decay
     slot_names: tuple[str, ...] = ()   # the arrays it keeps per weight (after its first step)
+    # the scalars state() writes besides name and steps, and what each must be: "positive",
+    # "non-negative" (finite numbers) or "bool"; a subclass adds its hyperparameters'
+    scalar_kinds = {"lr": "positive", "weight_decay": "non-negative", "decay_all": "bool"}
+
+    @classmethod
+    def scalars_problem(cls, scalars: dict) -> str | None:
+        """What in a checkpoint's optimizer scalars this optimizer's state() never writes
+        (None: nothing): a checkpoint checks its optimizer through this, so a new optimizer
+        or hyperparameter needs no checkpoint code."""
+        for key, value in scalars.items():
+            if key in ("name", "steps"):
+                continue
+            kind = cls.scalar_kinds.get(key)
+            if kind is None:
+                return f"optimizer {key} is no scalar of {cls.name}"
+            if kind == "bool":
+                if not isinstance(value, bool):
+                    return f"optimizer {key} is {value!r}, not true/false"
+            elif isinstance(value, bool) or not isinstance(value, int | float) \
+                    or not math.isfinite(value) or value < 0 or (kind == "positive"
+                                                                 and value == 0):
+                return f"optimizer {key} is {value!r}, not a finite number " \
+                       f"{'> 0' if kind == 'positive' else '>= 0'}"
+        return None
 
     def __init__(self, lr: float, weight_decay: float = 0.0, decay_all: bool = False):
         # an infinite rate or decay would only turn every weight into NaN at the first step
@@ -200,6 +224,7 @@ class Momentum(Optimizer):
     """torch.optim.SGD(momentum=m): buf = m * buf + g (buf = g on the first step)."""
     name = "momentum"
     slot_names = ("momentum",)
+    scalar_kinds = {**Optimizer.scalar_kinds, "momentum": "non-negative"}
 
     def __init__(self, lr, weight_decay=0.0, decay_all: bool = False, momentum: float = 0.9):
         super().__init__(lr, weight_decay, decay_all)
@@ -225,6 +250,8 @@ class AdamW(Optimizer):
     in torch's order of operations (denominator sqrt(v) / sqrt(bc2) + eps)."""
     name = "adamw"
     slot_names = ("exp_avg", "exp_avg_sq")
+    scalar_kinds = {**Optimizer.scalar_kinds, "beta1": "non-negative",
+                    "beta2": "non-negative", "eps": "non-negative"}
     default_weight_decay = 0.01   # torch.optim.AdamW's
 
     def __init__(self, lr, weight_decay=0.01, decay_all: bool = False, betas=(0.9, 0.999),

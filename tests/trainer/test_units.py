@@ -80,3 +80,24 @@ def test_optimizer_state_round_trip_is_exact():
     np.testing.assert_array_equal(a["w"], b["w"])
     with pytest.raises(GraphoptError, match="lr"):
         make_optimizer("adamw", 0.2).load_state(*first.state())
+
+
+def test_each_optimizer_checks_its_own_checkpoint_scalars():
+    """A new optimizer with a boolean hyperparameter declares it; checkpoint code is not
+    touched (checkpoint validation asks the optimizer's class)."""
+    from graphopt.trainer.optimizers import SGD
+
+    class Nesterov(SGD):
+        name = "nesterov"
+        scalar_kinds = {**SGD.scalar_kinds, "nesterov": "bool"}
+
+    good = {"name": "nesterov", "steps": 2, "lr": 0.1, "weight_decay": 0.0,
+            "decay_all": False, "nesterov": True}
+    assert Nesterov.scalars_problem(good) is None
+    assert "nesterov is 'yes', not true/false" in Nesterov.scalars_problem(
+        {**good, "nesterov": "yes"})
+    assert "no scalar of sgd" in SGD.scalars_problem(good)
+    assert "lr is 0, not a finite number > 0" in SGD.scalars_problem({"lr": 0})
+    assert SGD.scalars_problem(make_optimizer("sgd", 0.1).state()[0]) is None
+    assert make_optimizer("adamw", 0.1).scalars_problem(
+        make_optimizer("adamw", 0.1).state()[0]) is None
