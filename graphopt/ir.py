@@ -932,6 +932,10 @@ class Model:
         self.inference_seconds = 0.0  # spent in whole-model inference (optimize --profile)
 
     @property
+    def ir_version(self) -> int:
+        return self.proto.ir_version
+
+    @property
     def opsets(self) -> dict[str, int]:
         if self._opsets is None:
             self._opsets = {normalize_domain(o.domain): o.version

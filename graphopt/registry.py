@@ -2,8 +2,6 @@
 and third-party packages through the ``graphopt.rules`` entry point group."""
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from importlib.metadata import entry_points
 
 from .dsl import Pass, Rule
@@ -29,24 +27,11 @@ def _check_name(rule: Rule | Pass, source: str) -> None:
                             f"{type(rule.name).__name__} {rule.name!r}")
 
 
-def _rules_in(module) -> list[Rule | Pass]:
-    found = []
-    for value in vars(module).values():
-        if isinstance(value, (Rule, Pass)):
-            found.append(value)
-        elif isinstance(value, (list, tuple)) and value and all(
-                isinstance(v, (Rule, Pass)) for v in value):
-            found.extend(value)
-    return list({id(r): r for r in found}.values())
-
-
 def builtin_rules() -> list[Rule | Pass]:
-    package = importlib.import_module("graphopt.rules")
-    rules = []
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
-        if not info.name.startswith("_"):
-            rules.extend(_rules_in(importlib.import_module(f"graphopt.rules.{info.name}")))
-    return rules
+    """The built-in rules, as ``graphopt.rules.RULES`` lists them."""
+    from graphopt.rules import RULES  # here: the rules import graphopt's DSL, not this
+
+    return list(RULES)
 
 
 def plugin_rules() -> list[Rule | Pass]:

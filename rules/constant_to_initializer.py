@@ -48,7 +48,7 @@ def _tensor(graph, node_id: int, name: str) -> onnx.TensorProto | None:
 
 
 def convert(graph, report) -> int:
-    if graph.model.proto.ir_version < 4:
+    if graph.model.ir_version < 4:
         return 0
     converted = 0
     for node_id in sorted(graph.nodes_of_type("Constant"), key=graph.order_of):

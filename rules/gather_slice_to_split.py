@@ -135,7 +135,7 @@ def to_split(m):
         elif squeeze:
             piece_output = op.Squeeze(piece_output,
                                       constant(np.array([axis], np.int64), "squeeze_axes"))
-        result[node.proto.output[0]] = piece_output
+        result[node.output(0).name] = piece_output
     return result
 
 

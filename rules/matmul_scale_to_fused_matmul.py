@@ -29,7 +29,7 @@ def _alternatives():
 
 
 def _product_scaled(m) -> bool:
-    return m.base.proto.output[0] in m.scaler.proto.input
+    return m.base.output(0).name in [t.name for t in m.scaler.inputs]
 
 
 def _factor(m) -> float:
@@ -53,7 +53,7 @@ def _scale_keeps_shape(m):
     value = m.scale.value
     if value is None or value.ndim == 0:
         return True
-    scaled = [n for n in m.scaler.proto.input if n != m.scale.name]
+    scaled = [t.name for t in m.scaler.inputs if t.name != m.scale.name]
     shape = m.graph.static_shape(scaled[0]) if scaled else None
     if shape is None:
         return "rank of the scaled tensor is unknown and the scale has rank 1"

@@ -31,7 +31,7 @@ def _absorb(attrs, perm, side):
 def _b_transpose(m):
     """(perm, input) of a Transpose producing B when the pattern matched only A's."""
     producer = m.b.producer
-    if producer is None or producer.op_type != "Transpose" or producer.proto.domain:
+    if producer is None or producer.op_type != "Transpose" or producer.domain:
         return None, None
     perm = producer.attr("perm")
     return (NO_PERM if perm is None else tuple(perm)), producer.input(0)
@@ -49,7 +49,7 @@ def fuse(m):
             perm_b, b_source = _b_transpose(m)
             if perm_b is None:
                 return reason
-            inputs["A"], inputs["B"] = m.transpose_A.proto.output[0], b_source
+            inputs["A"], inputs["B"] = m.transpose_A.output(0), b_source
             perm_a = None
     if perm_b is not None:
         reason = _absorb(attrs, perm_b, "B")

@@ -19,6 +19,7 @@ class NodeView:
     name = property(lambda self: self.graph.name_of(self.id))
     # from the index: reading the proto makes a Python string every time
     op_type = property(lambda self: self.graph.op_key(self.id)[1])
+    domain = property(lambda self: self.graph.op_key(self.id)[0])
     inputs = property(lambda self: [TensorView(self.graph, n) for n in self.proto.input])
     outputs = property(lambda self: [TensorView(self.graph, n) for n in self.proto.output])
 
@@ -27,6 +28,11 @@ class NodeView:
 
     def input(self, index: int) -> TensorView | None:
         names = self.proto.input
+        return TensorView(self.graph, names[index]) if index < len(names) and names[index] \
+            else None
+
+    def output(self, index: int) -> TensorView | None:
+        names = self.proto.output
         return TensorView(self.graph, names[index]) if index < len(names) and names[index] \
             else None
 

@@ -37,6 +37,9 @@ MAY_IMPORT = {
 # The two launchers (the console script and ``python -m graphopt``) start the command line:
 # they are the only modules below it that import it.
 LAUNCHERS = {"graphopt.console", "graphopt.__main__"}
+# The registry reads the built-in rules' explicit list (graphopt.rules.RULES), and only that:
+# the one core module that imports the rules layer, lazily (the rules import the DSL)
+RULE_LIST = ("graphopt.registry", "graphopt.rules")
 
 
 def layer(module: str) -> str:
@@ -95,7 +98,8 @@ def violations(extra: dict[str, str] | None = None) -> list[str]:
             if target != "graphopt" and not target.startswith("graphopt."):
                 continue
             theirs = layer(target)
-            if theirs in MAY_IMPORT[own] or (module in LAUNCHERS and theirs == "cli"):
+            if theirs in MAY_IMPORT[own] or (module in LAUNCHERS and theirs == "cli") \
+                    or (module, target) == RULE_LIST:
                 continue
             found.append(f"{path.relative_to(ROOT)} ({own}) imports {target} ({theirs})")
     return sorted(set(found))
@@ -123,6 +127,7 @@ def test_the_map_covers_the_whole_package():
     ("graphopt.rules.fold_constants", "graphopt.engine"),
     ("graphopt.trainer.loop", "graphopt.cli"),
     ("graphopt.ir", "graphopt.rules.fold_constants"),
+    ("graphopt.registry", "graphopt.rules.fold_constants"),   # the list, not a rule module
 ])
 def test_a_forbidden_import_is_caught(module, target):
     assert any(f"imports {target} (" in line for line in violations({module: target}))
