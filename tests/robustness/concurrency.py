@@ -8,7 +8,7 @@ ever pointed at stays until a later round no longer needs it: graphopt deletes n
 did not create in that run.
 
 Used by tests/robustness/test_reliability_data_loss.py (a few rounds) and
-scripts/reliability_report.py (more).
+tools/reliability_report.py (more).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 "ci" (default): a few hundred random graphs in total, derandomized (the same graphs every
 run: CI never flakes), well under a minute on 2 cores.
 "slow": thousands of random graphs, different every run (HYPOTHESIS_PROFILE=slow, or
-GRAPHOPT_PROPERTY_EXAMPLES=N to choose the count, as scripts/reliability_report.py does).
+GRAPHOPT_PROPERTY_EXAMPLES=N to choose the count, as tools/reliability_report.py does).
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ After every interruption:
   on SIGKILL), until the next save to that folder removes them (their process is gone);
   after SIGINT there are none and the command says it was interrupted.
 
-Used by tests/robustness/test_interrupts.py and scripts/reliability_report.py.
+Used by tests/robustness/test_interrupts.py and tools/reliability_report.py.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hostile inputs (scripts/make_hostile_corpus.py) through the real CLI, in subprocesses.
+"""Hostile inputs (tests/robustness/make_hostile_corpus.py) through the real CLI, in subprocesses.
 
 For every case, `graphopt optimize FILE -o OUT` (and `graphopt run FILE --steps 1`, once the
 command exists; OUT and more options as the case says, e.g. -o onto the model's own data
@@ -11,7 +11,6 @@ The CLI runs are done once per session, a few at a time, and the tests check the
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -25,21 +24,15 @@ import numpy as np
 import onnx
 import pytest
 
+from . import make_hostile_corpus
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GRAPHOPT = os.path.join(os.path.dirname(sys.executable), "graphopt")
 CLI = [GRAPHOPT] if os.path.exists(GRAPHOPT) else [sys.executable, "-P", "-m", "graphopt.cli"]
 OLD = 1_000_000_000  # 2001: an access time a read would move (relatime updates older ones)
 
 
-def _load_corpus_module():
-    spec = importlib.util.spec_from_file_location(
-        "make_hostile_corpus", os.path.join(ROOT, "scripts", "make_hostile_corpus.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-corpus_module = _load_corpus_module()
+corpus_module = make_hostile_corpus
 _BUILD_DIR = tempfile.mkdtemp(prefix="graphopt-hostile-")
 CORPUS = corpus_module.make(os.path.join(_BUILD_DIR, "corpus"),
                             truncations=int(os.environ.get("GRAPHOPT_HOSTILE_TRUNCATIONS", 8)))

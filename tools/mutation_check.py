@@ -16,11 +16,11 @@ run, with no build per mutant. The environment needs pip and setuptools (no netw
 
 Not part of CI (it runs the relevant tests once per mutant):
 
-    python scripts/mutation_check.py                   # every mutant
-    python scripts/mutation_check.py --area optimizers --area cli
-    python scripts/mutation_check.py --id adamw_bias1_one_step_ahead -v
-    python scripts/mutation_check.py --list
-    python scripts/mutation_check.py --mutants scripts/mutants_outside_review.py  # another list
+    python tools/mutation_check.py                   # every mutant
+    python tools/mutation_check.py --area optimizers --area cli
+    python tools/mutation_check.py --id adamw_bias1_one_step_ahead -v
+    python tools/mutation_check.py --list
+    python tools/mutation_check.py --mutants tools/mutants_outside_review.py  # another list
 
 A mutant whose text is no longer in the file (the code moved on) is reported as STALE, not
 as killed (``--list`` marks those too): update its ``old`` text. Before the mutants run, the

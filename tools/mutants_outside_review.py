@@ -1,7 +1,7 @@
 """An outside reviewer's mutants: written from the README's promises and the code
 that carries them, without reading the built-in list in mutation_check.py.
 
-    python scripts/mutation_check.py --mutants scripts/mutants_outside_review.py
+    python tools/mutation_check.py --mutants tools/mutants_outside_review.py
 """
 from mutation_check import m
 

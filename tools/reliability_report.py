@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """The figures of the README "Reliability" section, in one command.
 
-    python scripts/reliability_report.py [--graphs 2000] [--kill-points 40]
+    python tools/reliability_report.py [--graphs 2000] [--kill-points 40]
                                          [--run-kill-points 36] [--seed N]
 
 1. random valid graphs (tests/robustness/graphs.py) through graphopt.optimize, each checked
    by tests/robustness/oracle.py (validity, interface, values vs onnxruntime and the
    executor, fixpoint);
-2. every hostile input of scripts/make_hostile_corpus.py through `graphopt optimize` (and
+2. every hostile input of tests/robustness/make_hostile_corpus.py through `graphopt optimize` (and
    `graphopt run` when it exists), each checked like tests/robustness/test_hostile_files.py;
 3. `graphopt optimize` of a big model killed (SIGKILL / SIGINT) at random moments, each
    checked like tests/robustness/test_interrupts.py;
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
         print(f"reliability_report: error: {elsewhere}", file=sys.stderr)
         return 2
     bad = 0
-    lines = ["## Reliability (scripts/reliability_report.py)", ""]
+    lines = ["## Reliability (tools/reliability_report.py)", ""]
 
     if "graphs" not in args.skip:
         start = time.perf_counter()

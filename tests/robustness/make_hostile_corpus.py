@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Write a corpus of broken and hostile ONNX inputs for the CLI to refuse cleanly.
 
-    python scripts/make_hostile_corpus.py OUTDIR
+    python tests/robustness/make_hostile_corpus.py OUTDIR
 
 Every case lives in its own folder ``OUTDIR/<case>/`` (so external-data cases have a folder
 of their own) and the model path to give the CLI is ``OUTDIR/<case>/model.onnx``. A file
@@ -36,7 +36,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FIXTURE = os.path.join(HERE, os.pardir, "tests", "fixtures", "mqa_opset17.onnx")
+FIXTURE = os.path.join(HERE, os.pardir, "fixtures", "mqa_opset17.onnx")
 SENTINEL = os.path.join("outside", "secret.bin")
 MS = "com.microsoft"
 

@@ -1,7 +1,7 @@
 """A second outside reviewer's mutants: 20 small, plausible bugs written from the
 README's promises and the code that carries them, without reading the other MUTANTS lists.
 
-Run: python scripts/mutation_check.py --mutants scripts/mutants_outside_review_2.py
+Run: python tools/mutation_check.py --mutants tools/mutants_outside_review_2.py
 """
 from mutation_check import m
 
