@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import model_from_text
 from support.cli_runs import cli
+from support.models import model_from_text
 
 from graphopt.executor import compare
 

@@ -11,7 +11,7 @@ import sys
 import onnx
 import pytest
 from click.testing import CliRunner
-from conftest import fixture_path, model_from_text, overlapping_slices_model
+from support.models import fixture_path, model_from_text, overlapping_slices_model
 
 import graphopt
 from graphopt.cli import main

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
-from conftest import fixture_path, model_from_text
+from support.models import fixture_path, model_from_text
 
 from graphopt import registry
 from graphopt.cli import main

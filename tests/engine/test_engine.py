@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import assert_same_outputs, model_from_text, op_types
+from support.models import assert_same_outputs, model_from_text, op_types
 
 import graphopt
 from graphopt import (

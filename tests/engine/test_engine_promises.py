@@ -12,8 +12,8 @@ import sys
 import numpy as np
 import onnx
 import pytest
-from conftest import model_from_text, op_types
 from onnx import numpy_helper
+from support.models import model_from_text, op_types
 
 import graphopt
 from graphopt import modelio

@@ -3,7 +3,7 @@ engine's fast matcher (generated from the same description) misses there too."""
 from __future__ import annotations
 
 import pytest
-from conftest import model_from_text
+from support.models import model_from_text
 
 from graphopt import modelio
 from graphopt.dsl import const, fan_out, one_of, op, produced_by, scalar_const, var

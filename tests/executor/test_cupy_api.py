@@ -18,9 +18,9 @@ import warnings
 import numpy as np
 import onnx
 import pytest
-from conftest import fixture_path
 from onnx.backend.test.runner import Runner
 from support.cupy_api import RecordingXp, cupy_incompatibilities
+from support.models import fixture_path
 
 from graphopt.executor import Session
 from graphopt.executor.backend import ArrayBackend

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import numpy as np
 import onnx
 import pytest
-from conftest import fixture_path
 from support.cupy_api import DeviceArray, RecordingXp, cupy_incompatibilities
+from support.models import fixture_path
 
 from graphopt.executor import Session
 from graphopt.executor.backend import ArrayBackend

@@ -3,7 +3,7 @@ and what is computed from it (a Shape's value included), are typed for the rules
 gradient builder; the model is given back as it was."""
 from __future__ import annotations
 
-from conftest import model_from_text
+from support.models import model_from_text
 
 from graphopt import modelio
 from graphopt.tensor_types import contrib_stand_ins

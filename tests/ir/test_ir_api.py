@@ -8,7 +8,7 @@ import ast
 import pathlib
 import re
 
-from conftest import model_from_text
+from support.models import model_from_text
 
 from graphopt import modelio
 

@@ -7,8 +7,8 @@ import re
 import numpy as np
 import onnx
 import pytest
-from conftest import fixture_path, run_ort
 from onnx import numpy_helper
+from support.models import fixture_path, run_ort
 
 import graphopt
 from graphopt import modelio

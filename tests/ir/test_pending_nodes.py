@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import model_from_text, run_ort
+from support.models import model_from_text, run_ort
 
 from graphopt import modelio
 from graphopt.api import select_rules

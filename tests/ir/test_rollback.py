@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import onnx
 import pytest
-from conftest import model_from_text
+from support.models import model_from_text
 
 import graphopt
 from graphopt.dsl import Rule, op, var

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from conftest import random_feeds
+from support.models import random_feeds
 
 import graphopt
 

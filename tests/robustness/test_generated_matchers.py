@@ -5,8 +5,8 @@ and on everything it binds, for patterns using each feature of the pattern langu
 from __future__ import annotations
 
 import numpy as np
-from conftest import model_from_text
 from hypothesis import given
+from support.models import model_from_text
 
 from graphopt import modelio
 from graphopt.dsl import attr, const, one_of, op, scalar_const, var

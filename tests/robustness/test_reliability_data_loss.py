@@ -22,10 +22,10 @@ import time
 import numpy as np
 import onnx
 import pytest
-from conftest import run_ort
 from ir.helpers import FEEDS, save_external, weights_model
 from onnx import TensorProto, helper, numpy_helper
 from support.cli_runs import invoke, one_error_line
+from support.models import run_ort
 
 import graphopt
 from graphopt import modelio

@@ -4,15 +4,6 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import (
-    assert_declined,
-    assert_level_2_only,
-    assert_same_outputs,
-    assert_second_run_changes_nothing,
-    model_from_text,
-    op_types,
-    ort_optimized,
-)
 from support.activation_fusions import (
     assert_fused_before_differentiation,
     assert_same_in_the_executor,
@@ -20,6 +11,15 @@ from support.activation_fusions import (
     hf_exports,
     mlp_model,
     retyped,
+)
+from support.models import (
+    assert_declined,
+    assert_level_2_only,
+    assert_same_outputs,
+    assert_second_run_changes_nothing,
+    model_from_text,
+    op_types,
+    ort_optimized,
 )
 
 import graphopt

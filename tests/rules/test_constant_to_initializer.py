@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from conftest import (
+from onnx import helper, numpy_helper
+from support.models import (
     assert_no_change,
     assert_same_outputs,
     assert_second_run_changes_nothing,
@@ -11,7 +12,6 @@ from conftest import (
     op_types,
     run_ort,
 )
-from onnx import helper, numpy_helper
 
 import graphopt
 

@@ -4,12 +4,6 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import (
-    assert_declined,
-    assert_level_2_only,
-    model_from_text,
-    op_types,
-)
 from support.activation_fusions import (
     assert_fused_before_differentiation,
     assert_fused_into_one_node,
@@ -18,6 +12,12 @@ from support.activation_fusions import (
     hf_exports,
     mlp_model,
     retyped,
+)
+from support.models import (
+    assert_declined,
+    assert_level_2_only,
+    model_from_text,
+    op_types,
 )
 
 import graphopt

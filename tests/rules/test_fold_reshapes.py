@@ -4,14 +4,14 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import (
+from onnx import numpy_helper
+from support.models import (
     assert_no_change,
     assert_same_outputs,
     assert_second_run_changes_nothing,
     model_from_text,
     op_types,
 )
-from onnx import numpy_helper
 
 import graphopt
 

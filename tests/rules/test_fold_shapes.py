@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from conftest import (
+from onnx import numpy_helper
+from support.models import (
     assert_no_change,
     assert_same_outputs,
     assert_second_run_changes_nothing,
@@ -13,7 +14,6 @@ from conftest import (
     model_from_text,
     op_types,
 )
-from onnx import numpy_helper
 
 import graphopt
 from graphopt.ir import Model

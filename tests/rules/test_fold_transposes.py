@@ -5,14 +5,14 @@ import itertools
 
 import onnx
 import pytest
-from conftest import (
+from onnx import helper
+from support.models import (
     assert_no_change,
     assert_same_outputs,
     assert_second_run_changes_nothing,
     model_from_text,
     op_types,
 )
-from onnx import helper
 
 import graphopt
 

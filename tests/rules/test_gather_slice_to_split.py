@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import (
+from onnx import numpy_helper
+from support.models import (
     MQA_FIXTURES,
     assert_no_change,
     assert_same_outputs,
@@ -16,7 +17,6 @@ from conftest import (
     overlapping_slices_model,
     run_ort,
 )
-from onnx import numpy_helper
 
 import graphopt
 

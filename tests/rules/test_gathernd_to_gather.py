@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import onnx
 import pytest
-from conftest import (
+from onnx import numpy_helper
+from support.models import (
     assert_declined,
     assert_no_change,
     assert_same_outputs,
     model_from_text,
     op_types,
 )
-from onnx import numpy_helper
 
 import graphopt
 

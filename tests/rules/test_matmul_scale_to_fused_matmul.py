@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import FUSED_MATMUL_DEFAULTS as DEFAULTS
-from conftest import (
+from support.models import FUSED_MATMUL_DEFAULTS as DEFAULTS
+from support.models import (
     assert_level_2_only,
     assert_no_change,
     assert_same_outputs,

@@ -6,7 +6,8 @@ import itertools
 import numpy as np
 import onnx
 import pytest
-from conftest import (
+from onnx import helper
+from support.models import (
     MQA_FIXTURES,
     assert_declined,
     assert_no_change,
@@ -21,7 +22,6 @@ from conftest import (
     ort_optimized,
     run_ort,
 )
-from onnx import helper
 
 import graphopt
 

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import onnx
-from conftest import (
+from onnx import helper
+from support.models import (
     assert_no_change,
     assert_same_outputs,
     assert_second_run_changes_nothing,
@@ -11,7 +12,6 @@ from conftest import (
     model_from_text,
     op_types,
 )
-from onnx import helper
 
 import graphopt
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from conftest import (
+from support.models import (
     assert_no_change,
     assert_same_outputs,
     assert_second_run_changes_nothing,

@@ -1,7 +1,7 @@
 """shape_of_transpose: Shape(Transpose(x, perm)) -> Gather(Shape(x), perm)."""
 from __future__ import annotations
 
-from conftest import (
+from support.models import (
     assert_declined,
     assert_same_outputs,
     assert_second_run_changes_nothing,

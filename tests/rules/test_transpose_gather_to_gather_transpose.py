@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import onnx
 import pytest
-from conftest import (
+from onnx import helper
+from support.models import (
     assert_declined,
     assert_no_change,
     assert_same_outputs,
@@ -12,7 +13,6 @@ from conftest import (
     model_from_text,
     op_types,
 )
-from onnx import helper
 
 import graphopt
 

@@ -7,7 +7,8 @@ import itertools
 import numpy as np
 import onnx
 import pytest
-from conftest import (
+from onnx import helper
+from support.models import (
     assert_declined,
     assert_level_2_only,
     assert_same_outputs,
@@ -17,7 +18,6 @@ from conftest import (
     op_types,
     random_feeds,
 )
-from onnx import helper
 
 import graphopt
 

@@ -11,7 +11,11 @@ import tempfile
 
 import numpy as np
 import onnx
-from conftest import (
+
+import graphopt
+from graphopt.executor import Session
+from graphopt.training.prepare import prepare_training
+from support.models import (
     FIXTURES,
     assert_same_outputs,
     assert_second_run_changes_nothing,
@@ -19,10 +23,6 @@ from conftest import (
     ort_optimized,
     random_feeds,
 )
-
-import graphopt
-from graphopt.executor import Session
-from graphopt.training.prepare import prepare_training
 
 
 def retyped(model: onnx.ModelProto, dtype, exact: dict[str, float]) -> onnx.ModelProto:

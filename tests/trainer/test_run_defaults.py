@@ -101,7 +101,7 @@ def test_train_and_freeze_override_the_default(tmp_path):
 def test_folded_weights_with_generated_names_are_still_trained():
     """dynamo folds the transposed Linear weights into val_0 and val_41 (read by MatMul): they
     are the module's parameters; val_35, the attention scale, is a scalar constant."""
-    from conftest import fixture_path
+    from support.models import fixture_path
 
     result = invoke(fixture_path("mqa_dynamo.onnx"), "--list-params")
     assert result.exit_code == 0, result.output
@@ -136,7 +136,7 @@ def test_rotary_inverse_frequencies_are_a_buffer_not_a_parameter(tmp_path):
     module's parameters (the fixture's record of model.named_parameters())."""
     import json
 
-    from conftest import fixture_path
+    from support.models import fixture_path
 
     source = fixture_path("hf_phi3_dynamo18.onnx")
     meta = json.loads(str(np.load(fixture_path("hf_phi3_dynamo18.npz"))["__meta__"]))
@@ -160,7 +160,7 @@ def test_rotary_inverse_frequencies_are_a_buffer_not_a_parameter(tmp_path):
 
 
 def test_training_a_tensor_no_gradient_reaches_names_the_tensor(tmp_path):
-    from conftest import fixture_path
+    from support.models import fixture_path
 
     hidden = _renamed(fixture_path("hf_phi3_dynamo18.onnx"), "inner.model.rotary_emb.inv_freq",
                       "frequencies", tmp_path / "renamed.onnx")
