@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import struct
 import zipfile
 import zlib
@@ -21,11 +22,17 @@ from graphopt.errors import GraphoptError
 from graphopt.executor.memory import available_bytes, gib
 
 
-def load_npz(path: str) -> NpzArrays:
-    """The arrays of a .npz file, read only when asked for (see NpzArrays)."""
+def load_npz(path: str, option: str = "--data") -> NpzArrays:
+    """The arrays of a .npz file, read only when asked for (see NpzArrays); ``option``: the
+    command-line option that named it, for the error line."""
+    if not os.path.lexists(path):
+        raise GraphoptError(f"{option} {path}: no such file")
     if not os.path.isfile(path):
-        raise GraphoptError(f"--data {path}: no such file")
-    return NpzArrays(path)
+        what = ("a folder" if os.path.isdir(path) else
+                "a FIFO" if stat.S_ISFIFO(os.stat(path).st_mode) else
+                "a broken link" if not os.path.exists(path) else "not a regular file")
+        raise GraphoptError(f"{option} {path}: {what}, not a regular .npz file")
+    return NpzArrays(path, option)
 
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # a zip member's local file header
@@ -42,14 +49,15 @@ class NpzArrays(Mapping):
     are copied out row by row; compressed ones (``np.savez_compressed``) are decompressed
     when first read. Arrays the graph never reads cost nothing: not even their headers."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, option: str = "--data"):
+        self.path, self.option = path, option
         try:
             self._archive = zipfile.ZipFile(path)
             infos = self._archive.infolist()
         except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise GraphoptError(f"--data {path}: not a readable .npz file ({reason})") from None
+            raise GraphoptError(f"{option} {path}: not a readable .npz file ({reason})") \
+                from None
         self._members = {info.filename.removesuffix(".npy"): info for info in infos
                          if not info.is_dir()}
         self._loaded: dict[str, np.ndarray] = {}
@@ -84,7 +92,7 @@ class NpzArrays(Mapping):
 
     def _unreadable(self, name: str, exc: BaseException) -> GraphoptError:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return GraphoptError(f"--data {self.path}: not a readable .npz file (array "
+        return GraphoptError(f"{self.option} {self.path}: not a readable .npz file (array "
                              f"{name!r}: {reason})")
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -115,16 +123,16 @@ class NpzArrays(Mapping):
             shape, fortran, dtype, header_length = self._header(stream)
             self._headers[name] = (shape, fortran, dtype, header_length)
             if dtype.hasobject:
-                raise GraphoptError(f"--data {self.path}: array {name!r} holds Python "
+                raise GraphoptError(f"{self.option} {self.path}: array {name!r} holds Python "
                                     "objects (pickles are never loaded)")
             nbytes = math.prod(shape) * dtype.itemsize
             available = available_bytes(None)
             if available is not None and nbytes > available:
                 raise GraphoptError(
-                    f"--data {self.path}: array {name!r} {tuple(shape)} {dtype} needs "
+                    f"{self.option} {self.path}: array {name!r} {tuple(shape)} {dtype} needs "
                     f"{gib(nbytes)}, more than the {gib(available)} available")
             if info.file_size != header_length + nbytes:
-                raise GraphoptError(f"--data {self.path}: array {name!r}: its header says "
+                raise GraphoptError(f"{self.option} {self.path}: array {name!r}: its header says "
                                     f"{nbytes} bytes of data, the archive holds "
                                     f"{info.file_size - header_length}")
             if info.compress_type != zipfile.ZIP_STORED or nbytes == 0:

@@ -545,7 +545,7 @@ def _eval_batches(opts: RunOptions, graph: RunGraph, batch_size: int, input_type
         return []
     if opts.eval_every is not None and opts.eval_every < 1:
         raise GraphoptError(f"--eval-every must be >= 1, not {opts.eval_every}")
-    arrays = load_npz(opts.eval_data)
+    arrays = load_npz(opts.eval_data, "--eval-data")
     lengths = [shape[0] for shape in array_shapes(arrays).values() if shape]
     size = min(lengths) if lengths else 0
     try:

@@ -133,14 +133,15 @@ def linear_index(xp, coordinates, shape) -> object:
 
 
 def check_bounds(ctx, indices, dims, what: str) -> None:
-    """Raise IndexError for an index outside [0, dim) (after negative-index fixing).
-
-    NumPy raises by itself; CuPy's take and fancy indexing wrap out-of-range indices
-    silently, so on a GPU this costs one reduction and one device->host read.
-    """
+    """Raise IndexError for an index outside [0, dim) (after negative-index fixing: an index
+    below -dim is still negative then, and NumPy's take would wrap it a second time, as
+    CuPy's take and fancy indexing wrap every out-of-range index). One reduction over the
+    indices (on a GPU, and one device->host read)."""
     xp = ctx.xp
-    if xp is np or indices.size == 0:
+    if indices.size == 0:
         return
     limit = xp.asarray(dims, dtype=indices.dtype)
     if bool(xp.any((indices < 0) | (indices >= limit))):
-        raise IndexError(f"{what}: index out of range for dimension(s) {tuple(dims)}")
+        shown = tuple(dims) if isinstance(dims, list | tuple) else (int(dims),)
+        raise IndexError(f"{what}: index out of range for dimension(s) {shown} (an index "
+                         "must lie in [-dim, dim))")
