@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import math
 import os
 import re
 import socket
@@ -73,10 +74,14 @@ def load(source, *, check: bool = True) -> Model:
 
 
 def _check_inline_sizes(proto: onnx.ModelProto, path: str | None) -> None:
-    """Each inline ``raw_data`` holds what its dims and type need. (The ONNX checker checks
-    this too, but :func:`check_structure` shows it no large weight.)"""
+    """Each large inline tensor holds what its dims and type need, in ``raw_data`` or its
+    typed field (``float_data``, ...). (The ONNX checker checks this too, but
+    :func:`check_structure` shows it no large weight.)"""
     for tensor in proto.graph.initializer:
-        if tensor.data_location == onnx.TensorProto.EXTERNAL or not tensor.HasField("raw_data"):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            continue
+        if not tensor.HasField("raw_data"):
+            _check_typed_values(tensor, path)
             continue
         expected = _byte_size(tensor)
         if expected is not None and expected >= weight_refs.MIN_REFERENCED_BYTES:
@@ -85,6 +90,27 @@ def _check_inline_sizes(proto: onnx.ModelProto, path: str | None) -> None:
                 raise GraphoptError(f"{path or 'model'}: invalid ONNX model: tensor "
                                     f"'{tensor.name}' holds {held} bytes of raw data; its dims "
                                     f"and type need {expected}")
+
+
+def _check_typed_values(tensor: onnx.TensorProto, path: str | None) -> None:
+    """A large tensor without raw_data holds one value per element in its typed field (a
+    tensor of [100000, 4] with no data at all passed the structure check, which sees no
+    large weight, and was written out broken)."""
+    expected = _byte_size(tensor)
+    if expected is None or expected < weight_refs.MIN_REFERENCED_BYTES:
+        return   # small: the ONNX checker sees it
+    try:
+        field = onnx.helper.tensor_dtype_to_field(tensor.data_type)
+    except (KeyError, ValueError):
+        return
+    elements = math.prod(tensor.dims)
+    held = len(getattr(tensor, field))
+    if tensor.data_type in (onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128):
+        held //= 2
+    if held != elements:
+        raise GraphoptError(f"{path or 'model'}: invalid ONNX model: tensor '{tensor.name}' "
+                            f"holds {held} values; its dims {list(tensor.dims)} need "
+                            f"{elements}")
 
 
 # A serialized ModelProto cannot be larger (protobuf's limit): bigger weights are external.

@@ -160,3 +160,20 @@ def test_repeated_raw_data_and_external_fields_stay_unreferenced(tmp_path):
 def _referenced_tensor(encoded: bytes):
     known = {f.number for f in TensorProto.DESCRIPTOR.fields}
     return weight_refs._tensor_reference(encoded, 0, len(encoded), "m.onnx", 1, known)
+
+
+@pytest.mark.parametrize("values", [0, 7])
+def test_a_large_tensor_without_its_values_is_one_error(tmp_path, values):
+    """No raw_data and too few float_data values: refused on load, not written out broken
+    (the structure check sees no large weight, so it cannot)."""
+    tensor = onnx.TensorProto(name="W", data_type=onnx.TensorProto.FLOAT, dims=[100000, 4])
+    tensor.float_data.extend([0.5] * values)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 100000])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])], [tensor])
+    path = tmp_path / "m.onnx"
+    onnx.save(onnx.helper.make_model(graph), str(path))
+    with pytest.raises(GraphoptError, match=rf"tensor 'W' holds {values} values; its dims "
+                                            r"\[100000, 4\] need 400000"):
+        modelio.load(path)
