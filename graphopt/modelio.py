@@ -13,6 +13,7 @@ import hashlib
 import math
 import os
 import re
+import shutil
 import socket
 import stat
 import sys
@@ -746,6 +747,7 @@ def save(model: Model, out: str, *, protect: ProtectedFiles | None = None,
             publish_checks(out)
             _publish(model_tmp, out, staged)
             return [out]
+        _refuse_what_the_disk_cannot_hold(to_data_file, folder, out)
         out_proto = onnx.ModelProto()
         out_proto.CopyFrom(proto)
         data_tmp, extents, digest = _stage_external_data(to_data_file, files, folder, stem,
@@ -774,6 +776,23 @@ def save(model: Model, out: str, *, protect: ProtectedFiles | None = None,
             with contextlib.suppress(OSError):
                 os.unlink(tmp_path)
         raise
+
+
+def _refuse_what_the_disk_cannot_hold(tensors, folder: str, out: str) -> None:
+    """One line before copying external data the output folder's free space cannot hold (a
+    sparse 40 GB input takes no disk, its copy takes 40 GB): the copy would otherwise run
+    until the disk is full. A data file of the same bytes already there is reused, so this
+    only refuses what a copy would need and cannot have."""
+    needed = sum(int(dict((e.key, e.value) for e in t.external_data).get("length") or
+                     (_byte_size(t) or 0)) for t in tensors)
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return
+    if needed > free:
+        raise GraphoptError(f"{out}: its external data needs {needed:,} bytes and {folder} "
+                            f"has {free:,} free; nothing was written (write it elsewhere, or "
+                            "--reference-data to point at the input's data files)")
 
 
 def check_reference_data(model: Model, out: str) -> None:

@@ -310,3 +310,23 @@ def test_reference_data_points_the_output_at_the_input_data_file(tmp_path):
                                  "--reference-data"), "--reference-data")
     assert "the output must be written to the input's folder" in line
     assert os.listdir(tmp_path / "elsewhere") == []
+
+
+def test_external_data_the_disk_cannot_hold_is_refused_before_writing(tmp_path, monkeypatch):
+    """A sparse input takes no disk; its copy would take all of it: refused in one line, and
+    nothing (no temporary) is left in the output folder."""
+    import shutil as shutil_module
+
+    from graphopt.errors import GraphoptError
+
+    source = save_external(weights_model(), str(tmp_path / "in"))
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    model = modelio.load(source)
+    real = shutil_module.disk_usage
+    monkeypatch.setattr(shutil_module, "disk_usage",
+                        lambda path: real(path)._replace(free=100))
+    with pytest.raises(GraphoptError, match=r"external data needs [\d,]+ bytes and .* has 100 "
+                                            r"free; nothing was written"):
+        modelio.save(model, str(out_dir / "m.onnx"))
+    assert os.listdir(out_dir) == []
