@@ -179,42 +179,43 @@ def value_ranges(model: onnx.ModelProto) -> dict[str, tuple]:
     return ranges
 
 
-def random_inputs(model: onnx.ModelProto, rng: np.random.Generator,
-                  shapes: dict[str, list[int]] | None = None) -> dict[str, np.ndarray]:
-    """One random array per graph input that is not an initializer (module docstring)."""
-    feeds = {}
+def _draws(model: onnx.ModelProto, shapes: dict[str, list[int]] | None = None):
+    """(name, dtype, dims, how, high, words) per input: ``how`` is normal | false | bool |
+    ints (in [0, high)); ``words`` say it."""
     ranges = value_ranges(model)
     for name, (dtype, dims) in input_specs(model, shapes).items():
         kind = ranges.get(name, ())
         if np.issubdtype(dtype, np.floating):
-            feeds[name] = rng.standard_normal(dims).astype(dtype)
+            yield name, dtype, dims, "normal", 0, "standard normal"
         elif kind == ("inference",):
-            feeds[name] = np.zeros(dims, dtype)
+            yield name, dtype, dims, "false", 0, "False (Dropout in inference mode)"
         elif dtype == np.bool_:
-            feeds[name] = rng.integers(0, 2, dims).astype(bool)
+            yield name, dtype, dims, "bool", 2, "random True/False"
         else:
-            high = kind[1] if kind and kind[0] == "index" else 2
-            feeds[name] = rng.integers(0, max(high, 1), dims).astype(dtype)
+            high = max(kind[1], 1) if kind else 2
+            yield name, dtype, dims, "ints", high, \
+                f"in [0, {high})" + (" (Gather indices)" if kind else "")
+
+
+def random_inputs(model: onnx.ModelProto, rng: np.random.Generator,
+                  shapes: dict[str, list[int]] | None = None) -> dict[str, np.ndarray]:
+    """One random array per graph input that is not an initializer (module docstring)."""
+    feeds = {}
+    for name, dtype, dims, how, high, _ in _draws(model, shapes):
+        if how == "normal":
+            feeds[name] = rng.standard_normal(dims).astype(dtype)
+        elif how == "false":
+            feeds[name] = np.zeros(dims, dtype)
+        else:
+            feeds[name] = rng.integers(0, high, dims).astype(dtype)
     return feeds
 
 
 def describe_inputs(model: onnx.ModelProto, shapes: dict[str, list[int]] | None = None) -> str:
     """``input_ids [4, 4] int64 in [0, 50257); x [4, 16] float32 normal``: what
     :func:`random_inputs` draws."""
-    ranges = value_ranges(model)
-    parts = []
-    for name, (dtype, dims) in input_specs(model, shapes).items():
-        kind = ranges.get(name, ())
-        if np.issubdtype(dtype, np.floating):
-            values = "standard normal"
-        elif kind == ("inference",):
-            values = "False (Dropout in inference mode)"
-        elif dtype == np.bool_:
-            values = "random True/False"
-        else:
-            high = kind[1] if kind and kind[0] == "index" else 2
-            values = f"in [0, {high})" + (" (Gather indices)" if kind else "")
-        parts.append(f"{name} {dims} {dtype.name} {values}")
+    parts = [f"{name} {dims} {dtype.name} {words}"
+             for name, dtype, dims, _, _, words in _draws(model, shapes)]
     symbolic = " (symbolic dimensions " + str(SYMBOLIC_DIM) + " unless --input-shape gives them)"
     return "; ".join(parts) + symbolic if parts else "none"
 

@@ -286,8 +286,7 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
     if opts.seed is None:
         opts = dataclasses.replace(opts, seed=0)
     _check_seed(opts.seed)
-    forward = _merged_parameters(opts, forward, external, say)
-    _restore_dropped_biases(forward, say)
+    forward = _as_pytorch_parameters(opts, forward, external, say)
     precision, note = default_precision(forward, opts.precision)
     if note:
         say(f"note: {note}")
@@ -569,6 +568,15 @@ def _warn_if_nothing_saved(opts: RunOptions, writer: bool, echo) -> None:
          "the interrupt message names it)")
 
 
+def _as_pytorch_parameters(opts: RunOptions, forward: onnx.ModelProto, external, say
+                           ) -> onnx.ModelProto:
+    """The forward model with the parameters PyTorch has: merged ones split, dropped zero
+    biases back (a run and --list-params alike)."""
+    forward = _merged_parameters(opts, forward, external, say)
+    _restore_dropped_biases(forward, say)
+    return forward
+
+
 def _restore_dropped_biases(forward: onnx.ModelProto, say) -> None:
     """The zero biases the dynamo exporter dropped, back in ``forward`` (the run's own copy)
     as the parameters PyTorch trains (:mod:`graphopt.training.dropped_biases`)."""
@@ -628,8 +636,7 @@ def list_params(opts: RunOptions, echo: Callable[[str], None] = print) -> list[s
         raise GraphoptError("the model is already a training graph (it has a YieldOp): it "
                             "trains what its graphopt metadata lists, or else the "
                             "initializers that have a '<name>_grad' output")
-    forward = _merged_parameters(opts, forward, external, echo)
-    _restore_dropped_biases(forward, echo)
+    forward = _as_pytorch_parameters(opts, forward, external, echo)
     params, ties = untied_params(forward, trained_params(forward, opts.freeze, opts.train),
                                  bool(opts.untie), external)
     lines = describe_params(forward, params, opts.freeze, opts.train, tie_entries(ties),

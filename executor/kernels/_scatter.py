@@ -135,13 +135,17 @@ def linear_index(xp, coordinates, shape) -> object:
 def check_bounds(ctx, indices, dims, what: str) -> None:
     """Raise IndexError for an index outside [0, dim) (after negative-index fixing: an index
     below -dim is still negative then, and NumPy's take would wrap it a second time, as
-    CuPy's take and fancy indexing wrap every out-of-range index). One reduction over the
-    indices (on a GPU, and one device->host read)."""
+    CuPy's take and fancy indexing wrap every out-of-range index). For one dimension, a min
+    and a max over the indices, no temporaries (on a GPU, and their device->host read)."""
     xp = ctx.xp
     if indices.size == 0:
         return
-    limit = xp.asarray(dims, dtype=indices.dtype)
-    if bool(xp.any((indices < 0) | (indices >= limit))):
+    if isinstance(dims, list | tuple):
+        limit = xp.asarray(dims, dtype=indices.dtype)
+        out_of_range = bool(xp.any((indices < 0) | (indices >= limit)))
+    else:
+        out_of_range = int(indices.min()) < 0 or int(indices.max()) >= int(dims)
+    if out_of_range:
         shown = tuple(dims) if isinstance(dims, list | tuple) else (int(dims),)
         raise IndexError(f"{what}: index out of range for dimension(s) {shown} (an index "
                          "must lie in [-dim, dim))")

@@ -16,16 +16,11 @@ from onnx import helper, numpy_helper
 
 from ..ir import NameGenerator, graph_names
 from ..vocabulary import attribute_or_default
-from .padding import FX_NODE
-from .shared import module_scope
+from .shared import fx_node_text, module_scope
 
 # the op types a biased call becomes, and the input the bias is (a MatMul gets an Add after
 # it instead)
 _BIAS_INPUT = {"Gemm": 2, "LayerNormalization": 2, "Conv": 2, "ConvTranspose": 2}
-
-
-def _fx_text(node: onnx.NodeProto) -> str:
-    return next((p.value for p in node.metadata_props if p.key == FX_NODE), "")
 
 
 def _bias_width(node: onnx.NodeProto, shapes: dict[str, list[int]]) -> int | None:
@@ -59,7 +54,7 @@ def restore_dropped_biases(model: onnx.ModelProto) -> list[str]:
         if node.op_type not in (*_BIAS_INPUT, "MatMul"):
             continue
         module = module_scope(node)
-        text = _fx_text(node)
+        text = fx_node_text(node)
         if not module or f"%p_{module.replace('.', '_')}_bias" not in text:
             continue
         name = f"{module}.bias"

@@ -16,20 +16,16 @@ import onnx
 
 from ..errors import GraphoptError
 from ..vocabulary import FLOAT_TYPES, STANDARD_DOMAIN, attribute_or_default, normalize_domain
+from .shared import fx_node_text
 
-FX_NODE = "pkg.torch.onnx.fx_node"
 # call_function[target=torch.ops.aten.embedding.default](args = (%weight, %indices, 3), ...)
 _EMBEDDING_CALL = re.compile(r"aten\.embedding\.default\]\(args = \(%[^,()]+, %[^,()]+, (-?\d+)")
 
 
 def exported_padding_index(node: onnx.NodeProto) -> int | None:
     """The padding index the dynamo exporter's metadata gives a lookup node, or None."""
-    for prop in node.metadata_props:
-        if prop.key == FX_NODE:
-            found = _EMBEDDING_CALL.search(prop.value)
-            if found and int(found.group(1)) >= 0:
-                return int(found.group(1))
-    return None
+    found = _EMBEDDING_CALL.search(fx_node_text(node))
+    return int(found.group(1)) if found and int(found.group(1)) >= 0 else None
 
 
 def _lookups(graph: onnx.GraphProto):

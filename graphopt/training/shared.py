@@ -28,6 +28,7 @@ from ..vocabulary import FLOAT_TYPES
 from .ties import all_equal, is_module_path
 
 NAME_SCOPES = "pkg.torch.onnx.name_scopes"   # the dynamo exporter's node metadata
+FX_NODE = "pkg.torch.onnx.fx_node"           # and the FX call each node comes from
 
 
 @dataclass
@@ -151,6 +152,12 @@ def name_scopes(node: onnx.NodeProto) -> list[str] | None:
     if not isinstance(scopes, list) or not all(isinstance(s, str) for s in scopes):
         return None
     return scopes
+
+
+def fx_node_text(node: onnx.NodeProto) -> str:
+    """The FX call a dynamo-exported node comes from (``%embedding : ... = call_function[
+    target=torch.ops.aten.embedding.default](args = (...))``), or "" without that metadata."""
+    return next((p.value for p in node.metadata_props if p.key == FX_NODE), "")
 
 
 def module_scope(node: onnx.NodeProto) -> str | None:

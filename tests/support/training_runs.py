@@ -34,3 +34,18 @@ def mlp_with_dynamic_batch(folder) -> str:
     path = os.path.join(str(folder), "mlp_dynamic_batch.onnx")
     onnx.save(model, path)
     return path
+
+
+def in_epoch_order(arrays: dict, batch_size: int, seed: int) -> dict:
+    """The rows laid out so that graphopt's shuffle of epoch 0 hands them out in their stored
+    order (step t gets rows batch_size*t ... batch_size*(t+1)-1, as a torch loop took them)."""
+    from graphopt.trainer.data import Batches
+
+    n = len(next(iter(arrays.values())))
+    order = Batches(arrays, list(arrays), batch_size, seed).order(0)
+    laid_out = {}
+    for name, value in arrays.items():
+        placed = np.empty_like(value)
+        placed[order[:n]] = value
+        laid_out[name] = placed
+    return laid_out

@@ -15,7 +15,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 from support.cli_runs import cli
-from support.training_runs import FIXTURES, write_npz
+from support.training_runs import FIXTURES, in_epoch_order, write_npz
 
 from graphopt.trainer import RunOptions, run
 from graphopt.trainer.data import Batches
@@ -26,22 +26,9 @@ SEED = 3
 EXPORTS = ["cnn_bn_ts17.onnx", "cnn_bn_dynamo18.onnx"]
 
 
-def _in_graphopt_order(arrays: dict) -> dict:
-    """The rows laid out so that graphopt's shuffle of epoch 0 hands them out in torch's
-    order (batch t: rows 4t..4t+3)."""
-    n = len(next(iter(arrays.values())))
-    order = Batches(arrays, list(arrays), META["batch_size"], SEED).order(0)
-    laid_out = {}
-    for name, value in arrays.items():
-        placed = np.empty_like(value)
-        placed[order[:n]] = value
-        laid_out[name] = placed
-    return laid_out
-
-
 def _data(tmp_path) -> str:
-    return write_npz(tmp_path / "train.npz", _in_graphopt_order(
-        {"x": TRUTH["x"], "labels": TRUTH["labels"]}))
+    return write_npz(tmp_path / "train.npz", in_epoch_order(
+        {"x": TRUTH["x"], "labels": TRUTH["labels"]}, META["batch_size"], SEED))
 
 
 def _options(tmp_path, model: str, **overrides) -> RunOptions:

@@ -13,9 +13,7 @@ from support.training_runs import FIXTURES, write_npz
 
 from graphopt.trainer import RunOptions, run
 from graphopt.training.dropped_biases import restore_dropped_biases
-from graphopt.training.shared import NAME_SCOPES
-
-FX_NODE = "pkg.torch.onnx.fx_node"
+from graphopt.training.shared import FX_NODE, NAME_SCOPES
 
 
 def _tag(node, module: str, call: str) -> onnx.NodeProto:

@@ -12,10 +12,9 @@ import os
 import numpy as np
 import pytest
 from support.cli_runs import assert_one_error_line, cli
-from support.training_runs import FIXTURES, write_npz
+from support.training_runs import FIXTURES, in_epoch_order, write_npz
 
 from graphopt.trainer import RunOptions, run
-from graphopt.trainer.data import Batches
 
 TRUTH = np.load(os.path.join(FIXTURES, "padded_lm_truth.npz"))
 META = json.loads(str(TRUTH["__meta__"]))
@@ -27,14 +26,7 @@ EXPORTS = {"padded_lm_dynamo18.onnx": ("head.weight", None),
 
 def _data(tmp_path) -> str:
     arrays = {"input_ids": TRUTH["input_ids"], "labels": TRUTH["labels"]}
-    n = len(arrays["input_ids"])
-    order = Batches(arrays, list(arrays), META["batch_size"], SEED).order(0)
-    laid_out = {}
-    for name, value in arrays.items():
-        placed = np.empty_like(value)
-        placed[order[:n]] = value
-        laid_out[name] = placed
-    return write_npz(tmp_path / "tokens.npz", laid_out)
+    return write_npz(tmp_path / "tokens.npz", in_epoch_order(arrays, META["batch_size"], SEED))
 
 
 def _train(tmp_path, model: str, **options):

@@ -11,10 +11,9 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from support.training_runs import FIXTURES, MLP, write_npz
+from support.training_runs import FIXTURES, MLP, in_epoch_order, write_npz
 
 from graphopt.trainer import RunOptions, run
-from graphopt.trainer.data import Batches
 from graphopt.trainer.optimizers import make_optimizer
 
 
@@ -42,24 +41,11 @@ def test_optimizer_updates_follow_pytorch_step_by_step(config):
 
 
 # ---- the MLP fixture trained end to end -----------------------------------------------------
-def _in_graphopt_order(arrays: dict, batch_size: int, seed: int) -> dict:
-    """The rows laid out so that graphopt's shuffle of epoch 0 hands them out in their
-    stored order (torch's batch t is rows batch_size*t ... batch_size*(t+1)-1)."""
-    n = len(next(iter(arrays.values())))
-    order = Batches(arrays, list(arrays), batch_size, seed).order(0)
-    laid_out = {}
-    for name, value in arrays.items():
-        placed = np.empty_like(value)
-        placed[order[:n]] = value
-        laid_out[name] = placed
-    return laid_out
-
-
 @pytest.mark.parametrize("config", list(TRAIN_META["mlp"]["configs"]))
 def test_mlp_losses_and_weights_match_pytorch(tmp_path, config):
     meta = TRAIN_META["mlp"]
     spec = meta["configs"][config]
-    data = _in_graphopt_order({"x": TRAINING["mlp/x"], "labels": TRAINING["mlp/labels"]},
+    data = in_epoch_order({"x": TRAINING["mlp/x"], "labels": TRAINING["mlp/labels"]},
                               meta["batch_size"], seed=3)
     outcome = run(RunOptions(model=MLP, data=write_npz(tmp_path / "d.npz", data),
                              loss=meta["loss"], steps=meta["steps"],
@@ -97,7 +83,7 @@ def test_dynamic_loss_scaling_matches_pytorch_gradscaler(tmp_path, optimizer):
     whether a skipped step counted for its bias correction."""
     meta = TRAIN_META["scaling"]
     truth = {k: TRAINING[f"scaling/{optimizer}/{k}"] for k in ("scales", "applied", "params")}
-    data = _in_graphopt_order({"x": TRAINING["scaling/x"]}, 1, seed=5)
+    data = in_epoch_order({"x": TRAINING["scaling/x"]}, 1, seed=5)
     outcome = run(RunOptions(model=_dot_loss_model(tmp_path / "dot.onnx"),
                              data=write_npz(tmp_path / "d.npz", data), loss="loss",
                              steps=meta["steps"], batch_size=1, optimizer=optimizer,

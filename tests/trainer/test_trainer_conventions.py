@@ -14,10 +14,9 @@ import os
 import numpy as np
 import pytest
 from support.cli_runs import cli
-from support.training_runs import FIXTURES, mlp_with_dynamic_batch, write_npz
+from support.training_runs import FIXTURES, in_epoch_order, mlp_with_dynamic_batch, write_npz
 
 from graphopt.trainer import RunOptions, run
-from graphopt.trainer.data import Batches
 
 TRAINING = np.load(os.path.join(FIXTURES, "torch_training.npz"))
 META = json.loads(str(TRAINING["__meta__"]))["mlp"]
@@ -32,14 +31,7 @@ def _torch_order(tmp_path, batch_size: int) -> str:
     """The MLP data laid out so that graphopt's epoch-0 order hands torch's batch t (rows
     4t..4t+3) to step t, as micro-batches of ``batch_size``."""
     arrays = {"x": TRAINING["mlp/x"], "labels": TRAINING["mlp/labels"]}
-    n = len(arrays["x"])
-    order = Batches(arrays, list(arrays), batch_size, 3).order(0)
-    laid_out = {}
-    for name, value in arrays.items():
-        placed = np.empty_like(value)
-        placed[order[:n]] = value
-        laid_out[name] = placed
-    return write_npz(tmp_path / "mlp.npz", laid_out)
+    return write_npz(tmp_path / "mlp.npz", in_epoch_order(arrays, batch_size, 3))
 
 
 # The first 12 of the 25 recorded steps: at step 20 of the SGD run a pre-activation lies

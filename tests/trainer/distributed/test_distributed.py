@@ -15,7 +15,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 from support.mpi import MPIEXEC, needs_mpi
-from support.training_runs import MLP, mlp_data, write_npz
+from support.training_runs import MLP, mlp_data, mlp_with_dynamic_batch, write_npz
 
 from graphopt.errors import GraphoptError
 from graphopt.trainer import RunOptions, run
@@ -41,16 +41,8 @@ def mpiexec(ranks: int, *args, extra=(), timeout=60):
 def files(tmp_path_factory):
     """The test MLP with a symbolic batch dimension (the fixture's is fixed at 4) and data."""
     folder = tmp_path_factory.mktemp("dist")
-    model = onnx.load(MLP)
-    for value in [*model.graph.input[:1], *model.graph.output]:
-        dims = value.type.tensor_type.shape.dim
-        if dims:
-            dims[0].Clear()
-            dims[0].dim_param = "batch"
-    del model.graph.value_info[:]
-    path = str(folder / "mlp.onnx")
-    onnx.save(model, path)
-    return path, write_npz(folder / "d.npz", mlp_data(samples=48, seed=2))
+    return mlp_with_dynamic_batch(folder), write_npz(folder / "d.npz",
+                                                      mlp_data(samples=48, seed=2))
 
 
 def single_rank(model, data, **overrides):
