@@ -69,11 +69,14 @@ class Checkpoint:
     optimizer_arrays: dict[str, np.ndarray]
     scaler: dict
     data: dict                        # seed, size, batch_size, epoch, batch_in_epoch
-    history: list[dict] = field(default_factory=list)
+    history: list[dict] = field(default_factory=list)   # rows (see .history)
     precision: str = "fp32"
     settings: dict = field(default_factory=dict)   # the run's options, for a bare --resume
     graph: str | None = None          # fingerprint of the training graph (see .fingerprint)
     buffers: dict[str, np.ndarray] = field(default_factory=dict)   # running statistics
+    history_stride: int = 1           # steps a history row covers (all rows but the last)
+    first_loss: float | None = None   # the first step's own loss
+    nonfinite: dict[str, int] = field(default_factory=dict)   # skipped steps per kind
 
 
 def path_in(directory: str) -> str:
@@ -88,7 +91,9 @@ def _write_archive(f, arrays: dict) -> None:
 def save(directory: str, checkpoint: Checkpoint) -> str:
     meta = {"format": FORMAT, "step": checkpoint.step, "optimizer": checkpoint.optimizer,
             "scaler": checkpoint.scaler, "data": checkpoint.data,
-            "history": checkpoint.history, "precision": checkpoint.precision,
+            "history": list(checkpoint.history), "history_stride": checkpoint.history_stride,
+            "first_loss": checkpoint.first_loss, "nonfinite": checkpoint.nonfinite,
+            "precision": checkpoint.precision,
             "settings": checkpoint.settings, "graph": checkpoint.graph,
             "params": list(checkpoint.params),
             "optimizer_arrays": list(checkpoint.optimizer_arrays)}
@@ -477,7 +482,19 @@ def _state(meta: dict, params: dict, optimizer_arrays: dict, buffers: dict) -> C
     return Checkpoint(meta["step"], params, dict(meta["optimizer"]), optimizer_arrays,
                       dict(meta["scaler"]), dict(meta["data"]), list(meta["history"]),
                       meta["precision"], dict(meta.get("settings") or {}), meta.get("graph"),
-                      buffers)
+                      buffers, meta.get("history_stride", 1), meta.get("first_loss"),
+                      _nonfinite_counts(meta))
+
+
+def _nonfinite_counts(meta: dict) -> dict[str, int]:
+    """Skipped steps per kind (an older checkpoint's: counted in its step-by-step rows)."""
+    if "nonfinite" in meta:
+        return dict(meta["nonfinite"])
+    counts: dict[str, int] = {}
+    for row in meta["history"]:
+        if row.get("nonfinite"):
+            counts[row["nonfinite"]] = counts.get(row["nonfinite"], 0) + 1
+    return counts
 
 
 def load(directory: str, check: Check | None = None) -> Checkpoint:
@@ -669,6 +686,58 @@ OPTIONAL_RECORD_NUMBERS = {"lr": {"low": 0}, "grad_norm": {"low": 0, "finite": F
                            "eval_accuracy": {"low": 0, "finite": False}}
 
 
+def _validate_history(meta: dict, step: int, per_epoch: int) -> int:
+    """The history's rows (see :mod:`.history`): row ``i`` ends at step
+    ``min((i + 1) * stride, step)``, its counts add up; the skipped steps they record."""
+    stride = _int(meta.get("history_stride", 1), "history_stride", 1)
+    if stride & (stride - 1):
+        raise InvalidField(f"history_stride is {stride}, not a power of 2")
+    history = meta.get("history")
+    rows = -(-step // stride)
+    if not isinstance(history, list) or len(history) != rows \
+            or (stride > 1 and (rows - 1) * stride >= step):
+        count = len(history) if isinstance(history, list) else repr(history)
+        raise InvalidField(f"the history holds {count} records for step {step} "
+                           f"({stride} steps a record)")
+    if meta.get("first_loss") is not None:
+        _number(meta["first_loss"], "first_loss", finite=False)
+    skipped = 0
+    for index, record in enumerate(history):
+        what = f"history record {index + 1}"
+        if not isinstance(record, dict):
+            raise InvalidField(f"{what} is {record!r}, not an object")
+        end = min((index + 1) * stride, step)
+        span = end - index * stride
+        _int(record.get("step"), f"{what}: step", end, end)
+        _int(record.get("steps", 1), f"{what}: steps", span, span)
+        _int(record.get("epoch"), f"{what}: epoch", (end - 1) // per_epoch,
+             (end - 1) // per_epoch)
+        _number(record.get("loss"), f"{what}: loss", finite=False)
+        _number(record.get("loss_scale"), f"{what}: loss_scale", positive=True)
+        _number(record.get("seconds"), f"{what}: seconds", low=0)
+        for key, bounds in OPTIONAL_RECORD_NUMBERS.items():   # written by some runs only
+            if record.get(key) is not None:
+                _number(record[key], f"{what}: {key}", **bounds)
+        if not isinstance(record.get("applied"), bool):
+            raise InvalidField(f"{what}: applied is {record.get('applied')!r}, not true/false")
+        kind = record.get("nonfinite")
+        if record["applied"] != (kind is None) or kind not in (None, *NONFINITE_KINDS):
+            raise InvalidField(f"{what}: applied {record['applied']} with non-finite {kind!r}")
+        low = skipped if record["applied"] else skipped + 1
+        skipped = _int(record.get("skipped"), f"{what}: skipped", low,
+                       skipped if record["applied"] else skipped + span)
+    nonfinite = meta.get("nonfinite")
+    if nonfinite is not None:
+        if not isinstance(nonfinite, dict) or set(nonfinite) - set(NONFINITE_KINDS):
+            raise InvalidField(f"nonfinite is {nonfinite!r}, not counts of "
+                               f"{' and '.join(NONFINITE_KINDS)} steps")
+        counted = sum(_int(n, f"nonfinite {kind}") for kind, n in nonfinite.items())
+        if counted != skipped:
+            raise InvalidField(f"nonfinite counts {counted} skipped steps, the history "
+                               f"{skipped}")
+    return skipped
+
+
 def _validate(meta: dict, params: dict, optimizer_arrays: dict) -> None:
     """Every field of the metadata, and the dtype and shape of every array (``Declared``
     headers or the arrays themselves)."""
@@ -703,31 +772,8 @@ def _validate(meta: dict, params: dict, optimizer_arrays: dict) -> None:
     epoch, index = divmod(step, per_epoch)
     _int(data.get("epoch"), "data epoch", epoch, epoch)
     _int(data.get("batch_in_epoch"), "data batch_in_epoch", index, index)
-    history = meta.get("history")
-    if not isinstance(history, list) or len(history) != step:
-        count = len(history) if isinstance(history, list) else repr(history)
-        raise InvalidField(f"the history holds {count} records for step {step}")
-    applied = skipped = 0
-    for index, record in enumerate(history):
-        what = f"history record {index + 1}"
-        if not isinstance(record, dict):
-            raise InvalidField(f"{what} is {record!r}, not an object")
-        _int(record.get("step"), f"{what}: step", index + 1, index + 1)
-        _int(record.get("epoch"), f"{what}: epoch", index // per_epoch, index // per_epoch)
-        _number(record.get("loss"), f"{what}: loss", finite=False)
-        _number(record.get("loss_scale"), f"{what}: loss_scale", positive=True)
-        _number(record.get("seconds"), f"{what}: seconds", low=0)
-        for key, bounds in OPTIONAL_RECORD_NUMBERS.items():   # written by some runs only
-            if record.get(key) is not None:
-                _number(record[key], f"{what}: {key}", **bounds)
-        if not isinstance(record.get("applied"), bool):
-            raise InvalidField(f"{what}: applied is {record.get('applied')!r}, not true/false")
-        kind = record.get("nonfinite")
-        if record["applied"] != (kind is None) or kind not in (None, *NONFINITE_KINDS):
-            raise InvalidField(f"{what}: applied {record['applied']} with non-finite {kind!r}")
-        applied += record["applied"]
-        skipped += not record["applied"]
-        _int(record.get("skipped"), f"{what}: skipped", skipped, skipped)
+    skipped = _validate_history(meta, step, per_epoch)
+    applied = step - skipped
     optimizer = _dict(meta, "optimizer")
     optimizer_class = OPTIMIZERS.get(optimizer.get("name")) \
         if isinstance(optimizer.get("name"), str) else None

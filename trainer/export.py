@@ -4,6 +4,7 @@ plot."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import numpy as np
 import onnx
@@ -60,10 +61,11 @@ def smoothed(values: list[float], weight: float = SMOOTHING) -> list[float]:
     return out
 
 
-def plot_losses(history: list[dict], path: str, title: str, *,
+def plot_losses(history: Sequence[dict], path: str, title: str, *,
                 protect: modelio.ProtectedFiles | None = None) -> None:
     """Raw training loss as faint points, its smoothed curve over them, the held-out loss
-    where evaluated, and skipped steps in red; written in the extension's format, as every
+    where evaluated, and skipped steps in red (the history's rows: each step's, or each
+    ``stride`` steps' of a long run); written in the extension's format, as every
     output is (:func:`graphopt.modelio.atomic_file`)."""
     fmt = plot_format(path)
     require_matplotlib()
@@ -74,9 +76,11 @@ def plot_losses(history: list[dict], path: str, title: str, *,
 
     steps = [r["step"] for r in history]
     losses = [r["loss"] for r in history]
+    stride = history[0].get("steps", 1)   # a long run's rows each cover stride steps
     figure, axes = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     axes.plot(steps, losses, linestyle="none", marker=".", markersize=3, alpha=0.35,
-              color="tab:blue", label="training loss (each step)")
+              color="tab:blue", label="training loss (each step)" if stride == 1
+              else f"training loss (mean of each {stride} steps)")
     axes.plot(steps, smoothed(losses), linewidth=1.5, color="tab:blue",
               label=f"training loss (smoothed, EMA {SMOOTHING:g})")
     evaluated = [r for r in history if r.get("eval_loss") is not None]
@@ -84,10 +88,11 @@ def plot_losses(history: list[dict], path: str, title: str, *,
         axes.plot([r["step"] for r in evaluated], [r["eval_loss"] for r in evaluated],
                   marker="o", markersize=4, linewidth=1.2, color="tab:orange",
                   label="held-out loss")
-    skipped = [r["step"] for r in history if not r.get("applied", True)]
+    skipped = [r for r in history if not r.get("applied", True)]
     if skipped:
-        axes.scatter(skipped, [losses[s - steps[0]] for s in skipped], s=8, color="red",
-                     label=f"skipped (overflow): {len(skipped)}", zorder=3)
+        axes.scatter([r["step"] for r in skipped], [r["loss"] for r in skipped], s=8,
+                     color="red", label=f"skipped (overflow): {history[-1]['skipped']} steps",
+                     zorder=3)
     axes.legend(fontsize=8)
     axes.set_xlabel("step")
     axes.set_ylabel("loss")

@@ -32,6 +32,7 @@ from graphopt.executor.numerics import WeightGeneration
 
 from . import checkpoint as ckpt
 from .data import Batches
+from .history import DEFAULT_CAPACITY, History
 from .loss_scaling import LossScaler
 from .metrics import classification_of, correct_and_counted, perplexity
 from .optimizers import Optimizer, to_host
@@ -56,12 +57,13 @@ class LoopSettings:
     clip_grad_norm: float | None = None   # max global L2 norm of the gradients
     eval_every: int | None = None         # steps; None: at the end of every epoch
     allow_changed_graph: bool = False     # resume a checkpoint of another training graph
+    history_rows: int = DEFAULT_CAPACITY  # the loss history's bound (see .history)
 
 
 @dataclass
 class TrainResult:
     params: dict[str, np.ndarray]         # float32 copies of the master weights
-    history: list[dict] = field(default_factory=list)
+    history: History = field(default_factory=History)
     steps_done: int = 0
     skipped: int = 0
     interrupted: bool = False
@@ -72,7 +74,7 @@ class TrainResult:
 
     @property
     def losses(self) -> list[float]:
-        return [r["loss"] for r in self.history]
+        return self.history.losses
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -278,7 +280,7 @@ class Trainer:
         # each step is fed them and replaces them by the graph's updates
         self.buffers = self._placed({n: v.astype(np.float32, copy=False)
                                      for n, v in graph.buffers.items()})
-        self.history: list[dict] = []
+        self.history = History(settings.history_rows)
         self.step = 0
         self.fetches = list(graph.losses) + [graph.grads[p] for p in graph.params] \
             + list(graph.buffer_updates.values())
@@ -344,12 +346,9 @@ class Trainer:
             else:
                 self.params[name] = self._placed({name: value.astype(dtype)})[name]
         self.step = state.step
-        self.history = list(state.history)
-        self.nonfinite = {}
-        for record in self.history:
-            kind = record.get("nonfinite")
-            if kind:
-                self.nonfinite[kind] = self.nonfinite.get(kind, 0) + 1
+        self.history = History(self.settings.history_rows, state.history, state.history_stride,
+                               state.first_loss)
+        self.nonfinite = dict(state.nonfinite)
         self._last_checkpoint = ckpt.path_in(directory)
         self._checkpoint_step = state.step
 
@@ -407,7 +406,9 @@ class Trainer:
                   "batch_size": self.batches.batch_size,
                   "accumulate": self.batches.accumulate, "epoch": epoch,
                   "batch_in_epoch": index},
-            history=self.history, precision=self.settings.precision,
+            history=list(self.history), history_stride=self.history.stride,
+            first_loss=self.history.first_loss, nonfinite=dict(self.nonfinite),
+            precision=self.settings.precision,
             settings=self.settings.run_settings,
             graph=self.graph.fingerprint or None)
         self._last_checkpoint = ckpt.save(directory, state)
@@ -680,7 +681,9 @@ class Trainer:
                 while self.step < settings.total_steps:
                     record = self.train_step()
                     if self._eval_due():
-                        record.update(self.evaluate())
+                        evaluation = self.evaluate()
+                        record.update(evaluation)
+                        self.history.note_evaluation(evaluation)
                         if self.progress is not None:
                             self.progress.note(f"step {self.step}: {eval_words(record)}")
                     if self.log is not None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 
 from graphopt.training.recompute import RECOMPUTE_MODES
 
+from .history import DEFAULT_CAPACITY
 from .optimizers import OPTIMIZERS
 from .precision import PRECISIONS
 from .schedule import SCHEDULES
@@ -166,6 +167,10 @@ class RunOptions:
              "changed head); the weights must still match by name and shape.")
     log: str | None = option(None, "--log", kind="path", metavar="FILE",
                              help="Per-step log, FILE.csv or FILE.jsonl.")
+    history_rows: int = option(
+        DEFAULT_CAPACITY, "--history-rows", kind="int", low=2, metavar="N", show_default=True,
+        help="Records of the loss history the summary, --plot and checkpoints keep; a "
+             "longer run merges them in pairs (--log keeps every step).")
     plot: str | None = option(
         None, "--plot", kind="path", metavar="FILE.png|svg|pdf",
         help="Loss curves, raw and smoothed, and the held-out loss; the format follows the "

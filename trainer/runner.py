@@ -348,6 +348,7 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
     if opts.clip_grad_norm is not None and not opts.clip_grad_norm > 0:
         raise GraphoptError(f"--clip-grad-norm must be positive, not {opts.clip_grad_norm}")
     settings.allow_changed_graph = opts.allow_changed_graph
+    settings.history_rows = opts.history_rows
     settings.lr_schedule, settings.warmup = schedule, opts.warmup or 0
     settings.clip_grad_norm, settings.eval_every = opts.clip_grad_norm, opts.eval_every
     settings.run_settings = _settings_record(opts, loss, labels, optimizer, precision,
@@ -650,13 +651,14 @@ def _finish(opts: RunOptions, outcome: RunOutcome, say, echo,
             protect: modelio.ProtectedFiles | None = None) -> None:
     result = outcome.result
     if result.history:
-        first, last = result.history[0]["loss"], result.history[-1]["loss"]
-        tail = [value for value in result.losses if np.isfinite(value)][-10:] or [np.nan]
+        history = result.history
+        tail = [value for value in history.losses if np.isfinite(value)][-10:] or [np.nan]
         counts = ", ".join(f"non-finite {kind} {count}"
                            for kind, count in sorted(result.nonfinite.items()))
-        say(f"loss: first step {first:.4f}, last step {last:.4f} "
-            f"(mean of the last {len(tail)}: {np.mean(tail):.4f}); skipped steps {result.skipped}"
-            + (f" ({counts})" if counts else ""))
+        each = f" records of {history.stride} steps" if history.stride > 1 else ""
+        say(f"loss: first step {history.first_loss:.4f}, last step {history.last_loss:.4f} "
+            f"(mean of the last {len(tail)}{each}: {np.mean(tail):.4f}); skipped steps "
+            f"{result.skipped}" + (f" ({counts})" if counts else ""))
     evaluated = [r for r in result.history if r.get("eval_loss") is not None]
     if evaluated:
         best = min(evaluated, key=lambda r: r["eval_loss"])

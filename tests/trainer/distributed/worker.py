@@ -81,7 +81,7 @@ def main() -> None:
     LAUNCHED["all"] = REDUCERS[-1].launched
     LAUNCHED["in_backward"] = REDUCERS[-1].launched_in_backward
     np.savez(os.path.join(out, f"rank{rank}.npz"), **result.params,
-             __history__=np.array(json.dumps(result.history)),
+             __history__=np.array(json.dumps(list(result.history))),
              __launched__=np.array([LAUNCHED["all"], LAUNCHED["in_backward"]]))
 
 
