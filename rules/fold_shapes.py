@@ -27,7 +27,7 @@ from onnx import numpy_helper
 
 from graphopt.dsl import Pass
 from graphopt.inference import infer_shapes as bounded_infer_shapes
-from graphopt.ir import STANDARD_DOMAIN, subgraphs_of, type_dims
+from graphopt.ir import STANDARD_DOMAIN, type_dims
 
 from ._dims import DimOrigins
 
@@ -43,9 +43,9 @@ def _dims(graph, tensor: str, origins: DimOrigins) -> list[int | None] | None:
 
 
 def _shape_range(graph, node_id: int, rank: int) -> list[int]:
-    """The positions Shape(start, end) (opset 15) reads; the whole shape before that."""
-    start, end = graph.attr(node_id, "start", 0), graph.attr(node_id, "end", rank)
-    return list(range(rank))[start:end]  # step 1: Python clamps as ONNX does
+    """The positions Shape(start, end) (opset 15) reads; the whole shape before that. Start
+    (default 0) and end (default: the rank) clamp as a Python slice does."""
+    return list(range(rank))[graph.attr(node_id, "start"):graph.attr(node_id, "end")]
 
 
 def _shape_of(graph, node_id: int, origins: DimOrigins):
@@ -78,7 +78,7 @@ def _picked_positions(graph, node, positions: list[int]) -> np.ndarray | None:
         if value is None:
             return None
         feeds[name] = value
-    opset = graph.model.opset(STANDARD_DOMAIN) or 1
+    opset = graph.model.opset(STANDARD_DOMAIN)   # (a model with a Shape imports it)
     single = onnx.helper.make_graph(
         [node], "picked",
         [onnx.helper.make_tensor_value_info(n, onnx.helper.np_dtype_to_tensor_dtype(v.dtype),
@@ -166,11 +166,12 @@ INT64_MAX = (1 << 63) - 1
 _REFINED_AT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _refine_if_folded(graph, force: bool = False) -> None:
+def _refine_if_folded(graph) -> None:
     """Refine the types when something was folded since the last refinement (by this pass
-    or by fold_constants): a Slice whose bounds just became constants has a static output."""
+    or by fold_constants): a Slice whose bounds just became constants has a static output.
+    A fold always changes the counts (one node fewer, one initializer more)."""
     snapshot = (graph.node_count(), graph.initializer_count())
-    if force or _REFINED_AT.get(graph) != snapshot:
+    if _REFINED_AT.get(graph) != snapshot:
         refine_types(graph)
         _REFINED_AT[graph] = (graph.node_count(), graph.initializer_count())
 
@@ -186,9 +187,8 @@ def fold(graph, report) -> int:
     for node_id in sorted(candidates, key=graph.order_of):
         if not graph.has_node(node_id):
             continue
-        outputs = graph.outputs_of(node_id)
-        if len(outputs) != 1 or graph.is_output(outputs[0]) \
-                or any(True for _ in subgraphs_of(graph.node(node_id))):
+        outputs = graph.outputs_of(node_id)   # (none of the FOLDED ops holds a subgraph)
+        if len(outputs) != 1 or graph.is_output(outputs[0]):
             continue
         value = _value(graph, node_id, origins)
         if value is None:
@@ -199,7 +199,7 @@ def fold(graph, report) -> int:
         graph.remove_dead(inputs)
         folded += 1
     if folded:  # what this run folded shapes the tensors the rules after it look at
-        _refine_if_folded(graph, force=True)
+        _refine_if_folded(graph)
     return folded
 
 

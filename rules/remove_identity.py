@@ -14,17 +14,18 @@ from graphopt.dsl import Pass
 def _remove(graph, node_id: int) -> bool:
     source, target = graph.inputs_of(node_id)[0], graph.outputs_of(node_id)[0]
     # A subgraph reading a name from the outer scope would need editing too to follow a
-    # rename: Identities whose input or output one reads stay.
-    if not source or not target or graph.read_by_subgraph(target):
+    # rename: Identities whose input or output one reads stay. (Identity's one input and
+    # output are required: a model with an empty one is refused on load.)
+    if graph.read_by_subgraph(target):
         return False
     if not graph.is_output(target):
         graph.remove_node(node_id)
         graph.redirect_readers(target, source)
         return True
-    # The output name must survive: the producer of the input writes it instead.
+    # The output name must survive: the producer of the input writes it instead (a graph
+    # input or an initializer has no producer; a graph output keeps its own name)
     producer = graph.producer_of(source)
-    if (producer is None or graph.is_output(source) or graph.is_graph_input(source)
-            or graph.is_initializer(source) or graph.read_by_subgraph(source)):
+    if producer is None or graph.is_output(source) or graph.read_by_subgraph(source):
         return False
     graph.remove_node(node_id)
     order = graph.order_of(producer)
@@ -34,9 +35,7 @@ def _remove(graph, node_id: int) -> bool:
     renamed.output.extend(outputs)
     graph.remove_node(producer)
     graph.add_node(renamed, order)
-    graph.redirect_readers(source, target)
-    if graph.type_of(source) is not None and graph.type_of(target) is None:
-        graph.set_type(target, graph.type_of(source))
+    graph.redirect_readers(source, target)   # (the graph output keeps its declared type)
     return True
 
 

@@ -21,15 +21,13 @@ from onnx import numpy_helper
 
 from graphopt.dsl import Pass
 from graphopt.ir import STANDARD_DOMAIN
-from graphopt.vocabulary import attribute_default
 
 from ._dims import DimOrigins
 
 
 def _shape_positions(graph, shape_id: int, rank: int) -> list[int]:
-    start = graph.attr(shape_id, "start", attribute_default("Shape", "start"))
-    end = graph.attr(shape_id, "end", rank)
-    return list(range(rank))[start:end]  # Shape's start/end clamp as a Python slice does
+    # Shape's start (default 0) and end (default: the rank) clamp as a Python slice does
+    return list(range(rank))[graph.attr(shape_id, "start"):graph.attr(shape_id, "end")]
 
 
 def _source(graph, origins: DimOrigins, gather_id: int):
@@ -37,8 +35,7 @@ def _source(graph, origins: DimOrigins, gather_id: int):
     has its origin in one earlier tensor s; None otherwise."""
     inputs = graph.inputs_of(gather_id)
     shape_id = graph.producer_of(inputs[0])
-    if shape_id is None or graph.op_key(shape_id) != (STANDARD_DOMAIN, "Shape") \
-            or len(inputs) < 2:
+    if shape_id is None or graph.op_key(shape_id) != (STANDARD_DOMAIN, "Shape"):
         return None
     tensor = graph.inputs_of(shape_id)[0]
     rank = origins.rank(tensor)
@@ -73,8 +70,8 @@ def _shape_of(graph, source: str, before: tuple) -> str | None:
     return None
 
 
-def _new_node(graph, op_type: str, inputs, outputs, hint: str, **attrs):
-    node = graph.new_node(onnx.helper.make_node(op_type, [], [], **attrs))
+def _new_node(graph, op_type: str, inputs, outputs, hint: str):
+    node = graph.new_node(onnx.helper.make_node(op_type, [], []))
     node.name = graph.model.names.fresh(hint)
     node.input.extend(inputs)
     node.output.extend(outputs)
@@ -106,8 +103,8 @@ def rewire(graph, report) -> int:
         index = names.fresh(f"{source}/dims")
         graph.add_initializer(numpy_helper.from_array(
             np.array(ks, np.int64).reshape(index_shape), index))
-        graph.add_node(_new_node(graph, "Gather", [shape, index], [output], f"{stem}/Gather",
-                                 axis=0), order + (1,))
+        graph.add_node(_new_node(graph, "Gather", [shape, index], [output], f"{stem}/Gather"),
+                       order + (1,))   # (axis 0, Gather's default)
         graph.remove_dead(old_inputs)
         changed += 1
     return changed

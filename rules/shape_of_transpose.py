@@ -5,7 +5,6 @@ static dimensions."""
 import numpy as np
 
 from graphopt.dsl import Rule, constant, op, single_consumer, var
-from graphopt.vocabulary import attribute_default
 
 x = var("x")
 
@@ -15,11 +14,9 @@ def reorder(m):
     if perm is None:
         return "the Transpose has no perm (its rank is unknown here)"
     perm = list(perm)
-    start = m.shape.attr("start", attribute_default("Shape", "start"))
-    end = m.shape.attr("end", len(perm))  # (no default: the rank)
-    picked = perm[start:end]  # Shape's start/end clamp as a Python slice does
-    return op.Gather(op.Shape(m.x), constant(np.array(picked, np.int64), "transposed_dims"),
-                     axis=0)
+    # Shape's start (default 0) and end (default: the rank) clamp as a Python slice does
+    picked = perm[m.shape.attr("start"):m.shape.attr("end")]
+    return op.Gather(op.Shape(m.x), constant(np.array(picked, np.int64), "transposed_dims"))
 
 
 RULE = Rule(

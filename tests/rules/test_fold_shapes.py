@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from onnx import numpy_helper
 from support.models import (
     assert_no_change,
@@ -16,7 +17,7 @@ from support.models import (
 )
 
 import graphopt
-from graphopt.ir import Model
+from graphopt.ir import Model, type_dims
 
 PASS = "fold_shapes"
 
@@ -261,3 +262,172 @@ def test_a_size_inference_lost_behind_a_contrib_op_is_found_at_its_origin():
         feeds = {"a": rng.standard_normal((b, s, 8)).astype(np.float32),
                  "w": rng.standard_normal((8, 8)).astype(np.float32)}
         assert_same_outputs(model, out, feeds, atol=0, rtol=0)
+
+
+# -- the paths the fixtures above never take ---------------------------------------------------
+def test_shape_size_and_gather_of_an_unknown_shape_stay_without_a_rollback():
+    """Nothing is known of x: every candidate declines (a guard that let one through would
+    raise, and the rolled-back pass would hide it)."""
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,3] x_in, int64[K] target, float[2,N] y)
+            => (int64[1] a, int64 b, int64 c, int64 d) {
+          x = Reshape(x_in, target)
+          shape = Shape(x)
+          zero = Constant <value = int64[1] {0}> ()
+          first = Gather(shape, zero)
+          a = Identity(first)
+          size = Size(x)
+          b = Identity(size)
+          ysize = Size(y)
+          c = Identity(ysize)
+          yshape = Shape(y)
+          one = Constant <value = int64 {1}> ()
+          n = Gather(yshape, one)
+          d = Identity(n)
+        }""")
+    assert_no_change(model, [PASS])
+
+
+def test_a_gather_of_something_else_than_a_shape_stays():
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (int64[3] v, float[2,3,5] x) => (int64 y) {
+          s = Shape(x)
+          w = Add(v, s)
+          zero = Constant <value = int64 {0}> ()
+          picked = Gather(w, zero)
+          y = Identity(picked)
+        }""")
+    out, report = graphopt.optimize(model, [PASS])
+    assert sorted(op_types(out)) == ["Add", "Constant", "Gather", "Identity"]   # the Shape folds
+    assert report.rules[PASS].rewrites == 1 and report.rules[PASS].rollbacks == 0
+
+
+def test_size_of_exactly_int64_max_elements_folds():
+    # 2**63 - 1 = 7 * 7 * 73 * 127 * 337 * 92737 * 649657
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[7,7,73,127,337,92737,649657] x) => (int64 n) {
+          size = Size(x)
+          n = Identity(size)
+        }""")
+    out, _ = graphopt.optimize(model, [PASS])
+    assert initializer(out, "size").tolist() == (1 << 63) - 1
+
+
+def test_a_slice_with_an_empty_optional_input_and_steps_folds():
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[N,3,5,7] x) => (int64[2] y) {
+          shape = Shape(x)
+          st = Constant <value = int64[1] {1}> ()
+          en = Constant <value = int64[1] {4}> ()
+          step = Constant <value = int64[1] {2}> ()
+          picked = Slice(shape, st, en, , step)
+          y = Identity(picked)
+        }""")
+    out, _ = graphopt.optimize(model, [PASS])
+    assert initializer(out, "picked").tolist() == [3, 7]
+
+
+def test_a_slice_of_opset_9_reads_its_bounds_from_attributes():
+    model = model_from_text("""
+        <ir_version: 4, opset_import: ["" : 9]>
+        g (float[N,3,5,7] x) => (int64[2] y) {
+          shape = Shape(x)
+          picked = Slice <starts = [1], ends = [3], axes = [0]> (shape)
+          y = Identity(picked)
+        }""")
+    out, _ = graphopt.optimize(model, [PASS])
+    assert initializer(out, "picked").tolist() == [3, 5]
+
+
+def test_an_index_constant_of_more_than_64_values_is_not_read():
+    indices = ", ".join(["1"] * 65)
+    model = model_from_text(f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[N,3] x) => (int64[65] y, int64[64] z) {{
+          shape = Shape(x)
+          many = Constant <value = int64[65] {{{indices}}}> ()
+          wide = Gather(shape, many)
+          y = Identity(wide)
+          sixty_four = Constant <value = int64[64] {{{", ".join(["1"] * 64)}}}> ()
+          fits = Gather(shape, sixty_four)
+          z = Identity(fits)
+        }}""")
+    out, _ = graphopt.optimize(model, [PASS])
+    assert op_types(out).count("Gather") == 1 and initializer(out, "fits").tolist() == [3] * 64
+
+
+def test_a_shape_that_is_a_graph_output_stays_and_the_next_one_still_folds():
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,3] x) => (int64[2] s, int64[2] t) {
+          s = Shape(x)
+          other = Shape(x)
+          t = Identity(other)
+        }""")
+    out, _ = graphopt.optimize(model, [PASS])
+    assert op_types(out) == ["Shape", "Identity"] and initializer(out, "other").tolist() == [2, 3]
+
+
+def _tensor_type(elem_type, dims):
+    return onnx.helper.make_tensor_type_proto(elem_type, dims)
+
+
+@pytest.mark.parametrize("old,new,gains", [
+    ((1, ["N", 3]), (1, [2, 3]), True),          # a symbolic dim becomes known
+    ((1, None), (1, [2, 3]), True),              # the rank becomes known
+    ((1, [2, 3]), (1, [2, 3]), False),           # nothing new
+    ((1, ["N", 3]), (1, ["M", 3]), False),       # still symbolic
+    ((1, [2, 3]), (1, [4, 3]), False),           # a conflicting dim: never taken
+    ((1, ["N", 3]), (1, [2, 4]), False),         # one gained, one conflicting
+    ((1, ["N", 3]), (1, [2, 3, 1]), False),      # another rank
+    ((1, ["N", 3]), (7, [2, 3]), False),         # another element type
+    ((1, ["N", 3]), (1, None), False),           # the new type knows less
+])
+def test_a_refined_type_is_taken_only_when_it_knows_more_and_contradicts_nothing(old, new,
+                                                                                 gains):
+    from graphopt.rules.fold_shapes import _more_static
+    assert _more_static(_tensor_type(*old), _tensor_type(*new)) is gains
+
+
+def test_refined_types_reach_the_main_graph_only_where_inference_knows_more():
+    from graphopt.rules.fold_shapes import refine_types
+    model = Model(model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,3] x) => (float[2,3] y) {
+          r = Relu(x)
+          y = Neg(r)
+        }"""))
+    graph = model.graph
+    graph.set_type("r", _tensor_type(1, ["N", 3]))           # told less than inference knows
+    refine_types(graph)
+    assert type_dims(graph.type_of("r")) == [2, 3]
+    graph.set_type("r", _tensor_type(1, [4, 3]))             # told something conflicting
+    refine_types(graph)
+    assert type_dims(graph.type_of("r")) == [4, 3]           # kept: refining never contradicts
+
+
+def test_a_tensor_without_a_declared_type_gets_the_inferred_one():
+    from graphopt.rules.fold_shapes import refine_types
+    model = Model(model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,3] x) => (float[2,3] y) {
+          r = Relu(x)
+          y = Neg(r)
+        }"""))
+    assert model.graph.type_of("r") is None
+    refine_types(model.graph)
+    assert type_dims(model.graph.type_of("r")) == [2, 3]
+
+
+def test_a_gather_of_a_graph_input_stays():
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (int64[3] v) => (int64 y) {
+          one = Constant <value = int64 {1}> ()
+          y = Gather(v, one)
+        }""")
+    assert_no_change(model, [PASS])

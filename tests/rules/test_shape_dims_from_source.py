@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from onnx import helper
 from support.models import (
     assert_no_change,
@@ -172,3 +173,107 @@ def test_a_gather_writing_a_graph_output_keeps_the_name():
 
 def test_level_1_includes_it():
     assert PASS in {r.name for r in graphopt.select_rules(level=1)}
+
+
+# -- the paths the fixtures above never take ---------------------------------------------------
+# r = Relu(x): its dims are x's; Gather(Shape(r), INDEX) is read off x instead
+def _relu_reading(index_decl: str, *, shape_attrs: str = "", extra: str = "",
+                  outputs: str = "int64[1] y", inputs: str = "float[B,S,8] x") -> str:
+    return f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g ({inputs}) => ({outputs}) <{index_decl}, int64[1] flat = {{-1}}> {{
+          {extra}
+          r = Relu(x)
+          s = Shape {shape_attrs} (r)
+          b = Gather(s, i)
+          y = Reshape(b, flat)
+        }}"""
+
+
+def test_an_existing_whole_shape_of_the_source_is_reused():
+    model = model_from_text(_relu_reading("int64 i = {1}", extra="early = Shape(x)",
+                                          outputs="int64[1] y, int64[3] early"))
+    out, report = graphopt.optimize(model, [PASS])
+    assert report.rules[PASS].rewrites == 1
+    assert op_types(out).count("Shape") == 1 and gathers(out) == [("x", [1])]
+    assert_same_outputs(model, out, feeds=sized_feeds(model)[1], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("attrs", ["<start = 1>", "<end = 2>"])
+def test_a_partial_shape_of_the_source_is_not_reused_as_the_whole_shape(attrs):
+    model = model_from_text(_relu_reading("int64 i = {1}", extra=f"early = Shape {attrs} (x)",
+                                          outputs="int64[1] y, int64[2] early"))
+    out, report = graphopt.optimize(model, [PASS])
+    assert report.rules[PASS].rewrites == 1
+    assert op_types(out).count("Shape") == 2 and ("x", [1]) in gathers(out)
+    assert_same_outputs(model, out, feeds=sized_feeds(model)[1], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("index,shape_attrs,read", [
+    ("int64[2] i = {0, 1}", "", [0, 1]),          # several dims at once
+    ("int64 i = {-3}", "", [0]),                 # the most negative index
+    ("int64 i = {-1}", "<start = 1, end = 2>", [1]),   # through start and end
+    ("int64 i = {0}", "<end = -1>", [0]),
+])
+def test_indices_are_read_through_the_shapes_start_and_end(index, shape_attrs, read):
+    outputs = "int64[2] y" if "[2]" in index else "int64[1] y"
+    model = model_from_text(_relu_reading(index, shape_attrs=shape_attrs, outputs=outputs))
+    out, report = graphopt.optimize(model, [PASS])
+    assert report.rules[PASS].rewrites == 1 and gathers(out) == [("x", read)]
+    assert_same_outputs(model, out, feeds=sized_feeds(model)[1], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("index", [
+    "int64 i = {3}",                        # one past the end: fails at run time, left so
+    "int64 i = {-4}",                       # one before the start
+    "int64[0] i = {}",                      # nothing picked
+    "int64[2,1] i = {0, 1}",                # an index of rank 2
+    "int64[65] i = {" + ", ".join(["0"] * 65) + "}",   # more values than are read
+])
+def test_indices_the_rule_does_not_take_leave_the_gather(index):
+    outputs = "int64[65] y" if "[65]" in index else "int64[2] y" if "[2" in index \
+        else "int64[0] y" if "[0]" in index else "int64[1] y"
+    model = model_from_text(_relu_reading(index, outputs=outputs))
+    assert_no_change(model, [PASS])
+
+
+def test_a_tensor_of_unknown_rank_leaves_the_gather():
+    model = model_from_text(_relu_reading("int64 i = {0}", inputs="float[3,4] x_in, int64[K] to",
+                                          extra="x = Reshape(x_in, to)"))
+    assert_no_change(model, [PASS])
+
+
+def test_dims_from_two_different_tensors_are_not_read_off_one():
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[B,S,8] a, float[8,N] w) => (int64[2] y) <int64[2] i = {0, 2}> {
+          t = MatMul(a, w)
+          s = Shape(t)
+          y = Gather(s, i)
+        }""")
+    assert_no_change(model, [PASS])
+
+
+def test_a_gather_the_rule_does_not_take_does_not_stop_the_ones_after_it():
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[B,S,8] x, int64[3] v) => (int64 u, int64 y) <int64 i = {1}> {
+          u = Gather(v, i)
+          r = Relu(x)
+          s = Shape(r)
+          y = Gather(s, i)
+        }""")
+    out, report = graphopt.optimize(model, [PASS])
+    assert report.rules[PASS].rewrites == 1 and gathers(out) == [("x", [1])]
+
+
+def test_a_gather_of_something_else_than_a_shape_stays():
+    # Gather(r2, 0) picks r2's first row: no dimension of anything
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[B,S,8] x) => (float[S,8] y) <int64 i = {0}> {
+          r1 = Relu(x)
+          r2 = Relu(r1)
+          y = Gather(r2, i)
+        }""")
+    assert_no_change(model, [PASS])

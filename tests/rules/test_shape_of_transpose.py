@@ -54,3 +54,13 @@ def test_transpose_with_other_readers_stays():
           s = Shape(t)
         }""")
     assert_declined(model, RULE, "other readers")
+
+
+def test_a_transpose_without_perm_is_declined_and_said_why():
+    model = model_from_text("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,3,5] x) => (int64[3] s) {
+          t = Transpose(x)
+          s = Shape(t)
+        }""")
+    assert_declined(model, RULE, "the Transpose has no perm (its rank is unknown here)")

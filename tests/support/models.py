@@ -114,10 +114,17 @@ def overlapping_slices_model() -> onnx.ModelProto:
 
 
 # ---- optimizer checks shared by the rule tests ---------------------------------------------
-def assert_no_change(model: onnx.ModelProto, rules, **kw):
-    """Optimizing `model` with `rules` (and `kw`) gives it back byte for byte; the report."""
+def assert_no_change(model: onnx.ModelProto, rules, *, rollbacks: int = 0, **kw):
+    """Optimizing `model` with `rules` (and `kw`) gives it back byte for byte, each rule
+    declining rather than failing: a rule that raised or broke the model is rolled back
+    whole, which would hide a wrong guard (``rollbacks``: how many the test expects); the
+    report."""
     out, report = graphopt.optimize(model, list(rules), **kw)
     assert out.SerializeToString() == model.SerializeToString()
+    rolled = {name: s.rollback_reasons for name, s in report.rules.items() if s.rollbacks}
+    assert sum(s.rollbacks for s in report.rules.values()) == rollbacks, rolled
+    claimed = {name: s.rewrites for name, s in report.rules.items() if s.rewrites}
+    assert not claimed or rollbacks, f"rewrites reported for an unchanged model: {claimed}"
     return report
 
 
