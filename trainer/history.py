@@ -51,13 +51,6 @@ class History(Sequence):
     def __iter__(self) -> Iterator[dict]:
         return iter(self._rows)
 
-    def __eq__(self, other) -> bool:
-        if isinstance(other, History):
-            return self.stride == other.stride and self._rows == other._rows
-        return NotImplemented
-
-    __hash__ = None
-
     @property
     def step(self) -> int:
         """The last step the history covers (0 before the first)."""
@@ -81,9 +74,7 @@ class History(Sequence):
             before = self._rows[-2]["skipped"] if len(self._rows) > 1 else 0
             self._rows[-1] = merged(self._rows[-1], record, before)
             return
-        if self.stride > 1:
-            record["steps"] = 1
-        self._rows.append(record)
+        self._rows.append(record)   # (a row without "steps" covers one)
 
     def note_evaluation(self, evaluation: dict) -> None:
         """The held-out results measured after the last step, on its row."""

@@ -36,9 +36,10 @@ def records(count: int, skipped_steps=(), seed: int = 0) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("count,capacity", [(100, 8), (64, 8), (65, 8), (37, 5), (8, 8)])
+@pytest.mark.parametrize("count,capacity", [(100, 8), (64, 8), (65, 8), (37, 5), (8, 8),
+                                            (7, 3), (20, 3), (9, 2)])
 def test_rows_stay_within_capacity_and_keep_the_steps_counts_and_means(count, capacity):
-    steps = records(count, skipped_steps={3, 4, 20, 21, 22, 50})
+    steps = records(count, skipped_steps={2, 3, 4, 20, 21, 22, 50})
     history = History(capacity)
     for record in steps:
         history.append(record)
@@ -161,3 +162,51 @@ def test_a_tampered_merged_history_is_refused(tmp_path, edit):
     bad = _edited(folder, tmp_path / "bad", MERGED_ROW_EDITS[edit])
     with pytest.raises(GraphoptError, match="not a valid checkpoint"):
         ckpt.load(bad)
+
+
+def test_merged_rows_keep_the_last_of_each_optional_value_and_the_later_kind():
+    steps = records(5)
+    steps[0].update(grad_norm=1.0, perplexity=9.0, eval_loss=3.0, eval_accuracy=0.5,
+                    eval_perplexity=20.0)
+    steps[1].update(applied=False, nonfinite="loss", skipped=1, loss=math.inf, perplexity=9.0)
+    steps[2].update(applied=False, nonfinite="gradients", skipped=2, perplexity=9.0,
+                    grad_norm=2.0)
+    steps[3].update(skipped=2, perplexity=9.0)
+    steps[4].update(skipped=2, perplexity=9.0)
+    history = History(2)
+    for record in steps:
+        history.append(record)
+    row = history[0]   # steps 1-4
+    assert row["steps"] == 4 and row["nonfinite"] == "gradients" and not row["applied"]
+    assert row["grad_norm"] == 2.0   # the latest step's that has one, not the first's
+    assert (row["eval_loss"], row["eval_accuracy"], row["eval_perplexity"]) == (3.0, 0.5, 20.0)
+    mean = (steps[0]["loss"] + steps[3]["loss"]) / 2   # the steps that trained
+    assert row["loss"] == pytest.approx(mean) and row["perplexity"] == pytest.approx(math.exp(mean))
+
+
+def test_merged_seconds_are_kept_to_the_microsecond():
+    history = History(2)
+    for record in records(4):
+        history.append({**record, "seconds": 0.1234564})
+    assert [row["seconds"] for row in history] == [round(2 * 0.1234564, 6)] * 2
+
+
+def test_a_history_made_from_saved_rows_knows_its_first_and_last_loss():
+    steps = records(6)
+    saved = History(8, steps)
+    assert saved.stride == 1 and len(saved) == 6
+    assert saved.first_loss == steps[0]["loss"] and saved.last_loss == steps[-1]["loss"]
+    exact = History(6, steps)   # exactly the capacity: nothing merged
+    assert exact.stride == 1 and len(exact) == 6
+    merged_rows = History(4, steps)   # fewer rows allowed than saved: merged until they fit
+    assert merged_rows.stride == 2 and len(merged_rows) == 3
+    assert merged_rows.first_loss == steps[0]["loss"]
+    wide = History(4, list(merged_rows), stride=2, first_loss=7.5)
+    assert wide.first_loss == 7.5
+    assert History(4, list(merged_rows), stride=2).first_loss is None   # not known exactly
+
+
+def test_a_capacity_below_two_is_refused():
+    History(2)
+    with pytest.raises(ValueError, match="at least 2 rows, not 1"):
+        History(1)
