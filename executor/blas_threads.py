@@ -96,6 +96,30 @@ def _restore(previous: list) -> None:
         controller.set_num_threads(count)
 
 
+def thread_count() -> int | None:
+    """The threads NumPy's BLAS runs a large product on now; None where it cannot be told."""
+    counts = [c.get_num_threads() for c in _blas_controllers()]
+    counts = [c for c in counts if c is not None]
+    return counts[0] if counts else None
+
+
+@contextlib.contextmanager
+def threads_set(count: int):
+    """NumPy's BLAS on ``count`` threads inside the block, as it was after it. OpenBLAS
+    splits a product's sums differently with another thread count (a large product's last
+    bits can move), so a resumed run sets the count the checkpoint's run had."""
+    previous = []
+    for controller in _blas_controllers():
+        now = controller.get_num_threads()
+        if now is not None and now != count:
+            controller.set_num_threads(count)
+            previous.append((controller, now))
+    try:
+        yield
+    finally:
+        _restore(previous)
+
+
 @contextlib.contextmanager
 def one_thread():
     """BLAS on one thread inside, its previous count restored after."""

@@ -77,6 +77,7 @@ class Checkpoint:
     history_stride: int = 1           # steps a history row covers (all rows but the last)
     first_loss: float | None = None   # the first step's own loss
     nonfinite: dict[str, int] = field(default_factory=dict)   # skipped steps per kind
+    blas_threads: int | None = None   # the CPU BLAS threads of the run's large products
 
 
 def path_in(directory: str) -> str:
@@ -93,6 +94,7 @@ def save(directory: str, checkpoint: Checkpoint) -> str:
             "scaler": checkpoint.scaler, "data": checkpoint.data,
             "history": list(checkpoint.history), "history_stride": checkpoint.history_stride,
             "first_loss": checkpoint.first_loss, "nonfinite": checkpoint.nonfinite,
+            "blas_threads": checkpoint.blas_threads,
             "precision": checkpoint.precision,
             "settings": checkpoint.settings, "graph": checkpoint.graph,
             "params": list(checkpoint.params),
@@ -483,7 +485,7 @@ def _state(meta: dict, params: dict, optimizer_arrays: dict, buffers: dict) -> C
                       dict(meta["scaler"]), dict(meta["data"]), list(meta["history"]),
                       meta["precision"], dict(meta.get("settings") or {}), meta.get("graph"),
                       buffers, meta.get("history_stride", 1), meta.get("first_loss"),
-                      _nonfinite_counts(meta))
+                      _nonfinite_counts(meta), meta.get("blas_threads"))
 
 
 def _nonfinite_counts(meta: dict) -> dict[str, int]:
@@ -751,6 +753,8 @@ def _validate(meta: dict, params: dict, optimizer_arrays: dict) -> None:
         raise InvalidField(f"graph is {graph!r}, not a SHA-256 fingerprint")
     if meta.get("settings") is not None:
         check_settings(meta["settings"])
+    if meta.get("blas_threads") is not None:
+        _int(meta["blas_threads"], "blas_threads", 1, 4096)
     master = np.dtype(np.float16 if precision == "fp16" else np.float32)
     for name, value in params.items():
         if value.dtype != master:   # complex, float64, integers: never written by save()

@@ -13,6 +13,7 @@ overflow flag are agreed across ranks before this decision, so every rank decide
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -25,7 +26,7 @@ import numpy as np
 import onnx
 
 from graphopt.errors import GraphoptError, Terminated
-from graphopt.executor import ExecutorError
+from graphopt.executor import ExecutorError, blas_threads
 from graphopt.executor.memory import human as memory_human
 from graphopt.executor.memory import memory_owner
 from graphopt.executor.numerics import WeightGeneration
@@ -272,6 +273,10 @@ class Trainer:
         # trainer all-reduces through the host and keeps them there).
         backend = getattr(session, "backend", None)
         self._on_device = self.weights_on_device and bool(getattr(backend, "is_gpu", False))
+        # the BLAS threads of the large products on the CPU (a checkpoint records them: another
+        # count can move a product's last bits, and a resumed run takes the checkpoint's)
+        self.blas_threads = None if getattr(backend, "is_gpu", False) \
+            else blas_threads.thread_count()
         # the starting values themselves where the master dtype is theirs (float32): the
         # optimizer updates them in place
         self.params = self._placed({n: v.astype(master_dtype(settings.precision), copy=False)
@@ -349,6 +354,12 @@ class Trainer:
         self.history = History(self.settings.history_rows, state.history, state.history_stride,
                                state.first_loss)
         self.nonfinite = dict(state.nonfinite)
+        if state.blas_threads and self.blas_threads and state.blas_threads != self.blas_threads:
+            if self.warn is not None:   # (not with -q)
+                self.warn(f"resuming on {state.blas_threads} BLAS threads, as the checkpoint's "
+                          f"run (this process has {self.blas_threads}): another count can "
+                          "move a product's last bits")
+            self.blas_threads = state.blas_threads
         self._last_checkpoint = ckpt.path_in(directory)
         self._checkpoint_step = state.step
 
@@ -410,7 +421,7 @@ class Trainer:
             first_loss=self.history.first_loss, nonfinite=dict(self.nonfinite),
             precision=self.settings.precision,
             settings=self.settings.run_settings,
-            graph=self.graph.fingerprint or None)
+            graph=self.graph.fingerprint or None, blas_threads=self.blas_threads)
         self._last_checkpoint = ckpt.save(directory, state)
         self._checkpoint_step = self.step
         return self._last_checkpoint
@@ -675,8 +686,10 @@ class Trainer:
         settings = self.settings
         interrupted = False
         items = self.batches.samples_per_step
+        pinned = blas_threads.threads_set(self.blas_threads) if self.blas_threads \
+            else contextlib.nullcontext()
         try:
-            with StopFlag() as stop:
+            with pinned, StopFlag() as stop:
                 self.stop_flag = stop
                 while self.step < settings.total_steps:
                     record = self.train_step()

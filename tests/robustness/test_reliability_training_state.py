@@ -294,6 +294,8 @@ SILENT_EDITS = {
     "history record of another step": (lambda m: m["history"][1].update(step=9), None),
     "skipped step without a reason": (lambda m: m["history"][2].update(applied=False), None),
     "history longer than its step": (lambda m: _append_skipped_record(m), None),
+    "no BLAS threads": (_set("blas_threads", 0), None),
+    "BLAS threads as text": (_set("blas_threads", "2"), None),
 }
 
 

@@ -88,3 +88,42 @@ def test_resume_refuses_a_different_run(tmp_path, change, message):
 def test_resume_without_checkpoint_is_an_error(tmp_path):
     with pytest.raises(GraphoptError, match="no checkpoint"):
         run(options(tmp_path, checkpoint=str(tmp_path / "empty"), resume=True))
+
+
+def _wide_matmul(path) -> str:
+    """y = x @ W with W 300 x 700: a batch of 1000 makes products OpenBLAS threads (their
+    sums are split another way with another thread count)."""
+    import onnx
+    from onnx import helper, numpy_helper
+    weight = np.random.default_rng(3).standard_normal((300, 700)).astype(np.float32) * 0.05
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])], "wide",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 300])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 700])],
+        [numpy_helper.from_array(weight, "W")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return str(path)
+
+
+def test_a_resume_on_another_blas_thread_count_still_ends_on_the_same_bits(tmp_path):
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    rng = np.random.default_rng(4)
+    data = write_npz(tmp_path / "wide.npz",
+                     {"x": rng.standard_normal((2000, 300)).astype(np.float32),
+                      "target": rng.standard_normal((2000, 700)).astype(np.float32)})
+    common = dict(model=_wide_matmul(tmp_path / "wide.onnx"), data=data, loss="mse",
+                  labels="target", batch_size=1000, steps=3, optimizer="sgd", lr=0.01,
+                  seed=1, device="cpu", quiet=True)
+
+    def trained(threads, **options):
+        with threadpoolctl.threadpool_limits(threads, user_api="blas"):
+            return run(RunOptions(**{**common, **options}), **(
+                {"after_step": interrupt_at(1)} if options.get("checkpoint") and
+                not options.get("resume") else {})).result
+    straight = trained(2)
+    if np.array_equal(trained(1).params["W"], straight.params["W"]):
+        pytest.skip("this BLAS sums these products the same way on 1 and 2 threads")
+    folder = str(tmp_path / "ckpt")
+    assert trained(2, checkpoint=folder).steps_done == 1
+    resumed = trained(1, checkpoint=folder, resume=True)   # another count in this process
+    np.testing.assert_array_equal(resumed.params["W"], straight.params["W"])
