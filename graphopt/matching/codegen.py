@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..dsl import AttrBinding, Const, OpExpr, OpOutput, Var
+from ..patterns import AttrBinding, Const, OpExpr, OpOutput, Var
 from .misses import JoinedMiss, Miss, NodeLabel
 from .views import match_class
 

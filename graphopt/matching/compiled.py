@@ -2,8 +2,8 @@
 (FAST for the engine's candidates, EXPLAIN for --explain); a fan-out's matcher."""
 from __future__ import annotations
 
-from ..dsl import Expr, FanOut, OneOf, OpExpr
 from ..ir import Graph
+from ..patterns import Expr, FanOut, OneOf, OpExpr
 from .codegen import EXPLAIN, FAST, Bindings, generate
 from .misses import JoinedMiss, Miss, NodeLabel
 
