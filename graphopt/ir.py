@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from sys import intern
+from types import MappingProxyType
 
 import numpy as np
 import onnx
@@ -339,7 +340,8 @@ class Graph:
         self.model = model
         # node id -> NodeProto, or PendingNode for one a rewrite made whose proto nobody
         # has needed yet: read a node through node(), which builds it then
-        self.nodes: dict[int, onnx.NodeProto | PendingNode] = {}
+        self._nodes: dict[int, onnx.NodeProto | PendingNode] = {}
+        self._node_view = MappingProxyType(self._nodes)
         self._order: dict[int, tuple] = {}
         self._by_type: dict[tuple[str, str], dict[int, None]] = {}
         self._producer: dict[str, int] = {}
@@ -387,21 +389,27 @@ class Graph:
         self.order_of = self._order.__getitem__
         for node_id, node in enumerate(proto.node):
             self._index(node, (node_id,), node_id)
-        self._ids = itertools.count(len(self.nodes))
+        self._ids = itertools.count(len(self._nodes))
         self.changed = False
 
     # ---- reading -------------------------------------------------------------------
+    @property
+    def nodes(self) -> Mapping[int, onnx.NodeProto | PendingNode]:
+        """node id -> its NodeProto or PendingNode, read-only (the matcher's fast lookups):
+        nodes change only through the journaled primitives below, which a rollback undoes."""
+        return self._node_view
+
     def node(self, node_id: int) -> onnx.NodeProto:
         """The node's proto (built now if the node is pending)."""
-        node = self.nodes[node_id]
+        node = self._nodes[node_id]
         if type(node) is PendingNode:
-            node = self.nodes[node_id] = node.write(self.new_node())
+            node = self._nodes[node_id] = node.write(self.new_node())
         return node
 
     def attr(self, node_id: int, name: str, default=None):
         """An attribute of the node, as get_attr reads it (a pending node's template holds
         all its attributes: no need to build it)."""
-        node = self.nodes[node_id]
+        node = self._nodes[node_id]
         return get_attr(node.template if type(node) is PendingNode else node, name, default)
 
     def nodes_of_type(self, op_type: str, domain: str = STANDARD_DOMAIN) -> list[int]:
@@ -452,7 +460,7 @@ class Graph:
                 {k: dict(v) for k, v in self._by_type.items() if v}, dict(self._order))
 
     def has_node(self, node_id: int) -> bool:
-        return node_id in self.nodes
+        return node_id in self._nodes
 
     def is_used(self, tensor: str) -> bool:
         """Whether a node (or a subgraph) reads ``tensor`` or it is a graph output."""
@@ -489,17 +497,17 @@ class Graph:
         return list(self._initializers)
 
     def node_count(self) -> int:
-        return len(self.nodes)
+        return len(self._nodes)
 
     def name_of(self, node_id: int) -> str:
         """The node's name ("" if unnamed), read without building a pending node."""
-        return self.nodes[node_id].name
+        return self._nodes[node_id].name
 
     def carried_attributes(self, node_id: int, names) -> list[onnx.AttributeProto]:
         """The node's attributes named in ``names`` (annotations such as __backwardpass
         that a replacement carries on). A pending node has none: it holds only what the
         rewrite that made it gave it."""
-        node = self.nodes[node_id]
+        node = self._nodes[node_id]
         if type(node) is PendingNode:
             return []
         attributes = node.attribute
@@ -516,7 +524,7 @@ class Graph:
         return self._types.get(tensor)
 
     def sorted_ids(self) -> list[int]:
-        return sorted(self.nodes, key=self._order.__getitem__)
+        return sorted(self._nodes, key=self._order.__getitem__)
 
     def is_graph_input(self, tensor: str) -> bool:
         return tensor in self._input_set
@@ -539,7 +547,7 @@ class Graph:
         node_id = self._producer.get(tensor)
         if node_id is None:
             return None
-        node = self.nodes[node_id]
+        node = self._nodes[node_id]
         if node.op_type != "Constant" or normalize_domain(node.domain):
             return None
         return constant_node_value(self.node(node_id), max_elements)
@@ -553,7 +561,7 @@ class Graph:
         if init is not None:
             return init.data_type
         node_id = self._producer.get(tensor)
-        if node_id is not None and self.nodes[node_id].op_type == "Constant":
+        if node_id is not None and self._nodes[node_id].op_type == "Constant":
             value = self.constant_value(tensor, max_elements=1 << 30)
             if value is not None:
                 return onnx.helper.np_dtype_to_tensor_dtype(value.dtype)
@@ -609,7 +617,7 @@ class Graph:
                edges: tuple[tuple[str, ...], tuple[str, ...]] | None = None,
                key: tuple[str, str] | None = None) -> int:
         node_id = next(self._ids) if node_id is None else node_id
-        self.nodes[node_id] = node
+        self._nodes[node_id] = node
         self._order[node_id] = order
         if key is None:
             domain, op_type = node.domain, node.op_type
@@ -653,7 +661,7 @@ class Graph:
                 self._consumers.setdefault(name, {})[node_id] = None
 
     def _unindex(self, node_id: int) -> onnx.NodeProto:
-        node = self.nodes.pop(node_id)
+        node = self._nodes.pop(node_id)
         del self._order[node_id]
         self._by_type[self._op_keys.pop(node_id)].pop(node_id)
         inputs = self._node_inputs.pop(node_id)
@@ -714,9 +722,9 @@ class Graph:
         old_key, old_inputs = self._op_keys[node_id], self._node_inputs[node_id]
         self.changed = True
         if self.journal is not None:  # (rollback runs without a journal: no re-recording)
-            self.journal.append((self.replace_node, node_id, self.nodes[node_id], old_inputs,
+            self.journal.append((self.replace_node, node_id, self._nodes[node_id], old_inputs,
                                  old_key))
-        self.nodes[node_id] = node
+        self._nodes[node_id] = node
         if key != old_key:
             self._by_type[old_key].pop(node_id)
             by_type = self._by_type.get(key)
@@ -894,7 +902,7 @@ class Graph:
             return
         if self.journal is not None:
             self._flushed_in_transaction = True
-        nodes, out = self.nodes, self.proto.node
+        nodes, out = self._nodes, self.proto.node
         ordered = [nodes[i] for i in self.sorted_ids()]
         del out[:]
         run_start = 0  # protos are appended in runs: extend is one C call per run
