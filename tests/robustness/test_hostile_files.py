@@ -193,5 +193,14 @@ def test_corpus_manifest_lists_every_case():
     assert sum(case["escapes"] for case in manifest["cases"]) >= 6
 
 
+def test_the_full_corpus_holds_the_cases_reliability_md_counts(tmp_path):
+    """docs/reliability.md counts the corpus at its default 24 truncation points: 107 cases
+    for optimize, 116 for run (CI makes it with GRAPHOPT_HOSTILE_TRUNCATIONS, 8: 91 and 100)."""
+    full = corpus_module.make(str(tmp_path / "corpus"))
+    commands = [case.get("commands") or ["optimize", "run"] for case in full.cases]
+    assert (sum("optimize" in c for c in commands), sum("run" in c for c in commands)) == \
+        (107, 116)
+
+
 def teardown_module(module):
     shutil.rmtree(_BUILD_DIR, ignore_errors=True)

@@ -41,7 +41,7 @@ def test_huge_declared_dims_are_refused_at_plan_time_with_the_estimate(monkeypat
     with pytest.raises(MemoryLimitError) as info:
         Session(huge_declared_model(), device="cpu", numerics=None)
     message = str(info.value)
-    assert message.startswith("planned peak memory 8192.0 GiB exceeds the ")
+    assert message.startswith("planned peak memory 8.0 TiB exceeds the ")
     assert "GiB available on cpu" in message and "nothing was run" in message
     assert isinstance(info.value, ExecutorError)
     assert info.value.peak == 2 * 4 * 2**40
@@ -90,3 +90,18 @@ def test_fitting_models_run_as_before(monkeypatch):
     session = Session(outer_product_model(), device="cpu", numerics=None)
     a = np.arange(3, dtype=np.float32).reshape(3, 1)
     assert session.run({"a": a, "b": a.T})["s"] == pytest.approx(9.0)
+
+
+def test_a_training_run_whose_planned_peak_exceeds_the_limit_is_refused_before_a_step(
+        tmp_path, monkeypatch):
+    from support.cli_runs import invoke, one_error_line
+    from support.training_runs import wide_matmul
+    model, data = wide_matmul(tmp_path)
+    monkeypatch.setenv("GRAPHOPT_MEMORY_LIMIT", "9M")   # the data fits, the step does not
+    result = invoke("run", model, "--data", data, "--loss", "mse", "--labels", "target",
+                    "--steps", 2, "--batch-size", 1000, "-q", "-o", tmp_path / "out.onnx",
+                    "--checkpoint", tmp_path / "ckpt")
+    one_error_line(result, "planned peak memory", "exceeds the 9.0 MiB available",
+                   "nothing was run")
+    assert not (tmp_path / "out.onnx").exists()
+    assert not (tmp_path / "ckpt" / "checkpoint.npz").exists()

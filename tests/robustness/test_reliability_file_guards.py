@@ -203,6 +203,31 @@ def test_fifo_as_an_optimize_output_is_refused_at_once(tmp_path, option):
     assert not (tmp_path / "o.onnx").exists()
 
 
+@pytest.mark.parametrize("option", ["-o", "--report"])
+def test_a_device_as_an_optimize_output_is_refused_at_once(tmp_path, option):
+    src = save_external(weights_model(), tmp_path / "m")
+    args = ["-o", "/dev/null"] if option == "-o" else \
+        ["-o", str(tmp_path / "o.onnx"), "--report", "/dev/null"]
+    result = invoke("optimize", src, *args)
+    one_error_line(result, "/dev/null")
+    assert not (tmp_path / "o.onnx").exists() and os.path.exists("/dev/null")
+
+
+@pytest.mark.parametrize("option", ["-o", "--report"])
+def test_links_optimize_outputs_replace_the_link_never_the_file_it_points_to(tmp_path, option):
+    src = save_external(weights_model(), tmp_path / "m")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    link = tmp_path / ("out.onnx" if option == "-o" else "report.json")
+    os.symlink(victim, link)
+    args = ["-o", str(link)] if option == "-o" else \
+        ["-o", str(tmp_path / "o.onnx"), "--report", str(link)]
+    result = invoke("optimize", src, *args)
+    assert result.exit_code == 0, result.output
+    assert victim.read_text() == "keep me"
+    assert not os.path.islink(link) and os.path.getsize(link) > 0
+
+
 def test_fifo_behind_a_symlink_is_refused(tmp_path):
     os.mkfifo(tmp_path / "fifo")
     os.symlink("fifo", tmp_path / "r.json")

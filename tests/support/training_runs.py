@@ -49,3 +49,23 @@ def in_epoch_order(arrays: dict, batch_size: int, seed: int) -> dict:
         placed[order[:n]] = value
         laid_out[name] = placed
     return laid_out
+
+
+def wide_matmul(folder) -> tuple[str, str]:
+    """(model, data): y = x @ W with W 300 x 700 and 2,000 samples of x and an mse target; a
+    batch of 1000 makes products OpenBLAS threads, and a training step of some 9 MiB."""
+    import onnx
+    from onnx import helper, numpy_helper
+    weight = np.random.default_rng(3).standard_normal((300, 700)).astype(np.float32) * 0.05
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])], "wide",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 300])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 700])],
+        [numpy_helper.from_array(weight, "W")])
+    model = f"{folder}/wide.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), model)
+    rng = np.random.default_rng(4)
+    data = write_npz(f"{folder}/wide.npz",
+                     {"x": rng.standard_normal((2000, 300)).astype(np.float32),
+                      "target": rng.standard_normal((2000, 700)).astype(np.float32)})
+    return model, data

@@ -8,7 +8,7 @@ import signal
 
 import numpy as np
 import pytest
-from support.training_runs import MLP, mlp_data, write_npz
+from support.training_runs import MLP, mlp_data, wide_matmul, write_npz
 
 from graphopt.errors import GraphoptError
 from graphopt.trainer import RunOptions, run
@@ -90,28 +90,10 @@ def test_resume_without_checkpoint_is_an_error(tmp_path):
         run(options(tmp_path, checkpoint=str(tmp_path / "empty"), resume=True))
 
 
-def _wide_matmul(path) -> str:
-    """y = x @ W with W 300 x 700: a batch of 1000 makes products OpenBLAS threads (their
-    sums are split another way with another thread count)."""
-    import onnx
-    from onnx import helper, numpy_helper
-    weight = np.random.default_rng(3).standard_normal((300, 700)).astype(np.float32) * 0.05
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "W"], ["y"])], "wide",
-        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 300])],
-        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 700])],
-        [numpy_helper.from_array(weight, "W")])
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
-    return str(path)
-
-
 def test_a_resume_on_another_blas_thread_count_still_ends_on_the_same_bits(tmp_path):
     threadpoolctl = pytest.importorskip("threadpoolctl")
-    rng = np.random.default_rng(4)
-    data = write_npz(tmp_path / "wide.npz",
-                     {"x": rng.standard_normal((2000, 300)).astype(np.float32),
-                      "target": rng.standard_normal((2000, 700)).astype(np.float32)})
-    common = dict(model=_wide_matmul(tmp_path / "wide.onnx"), data=data, loss="mse",
+    model, data = wide_matmul(tmp_path)
+    common = dict(model=model, data=data, loss="mse",
                   labels="target", batch_size=1000, steps=3, optimizer="sgd", lr=0.01,
                   seed=1, device="cpu", quiet=True)
 
@@ -127,3 +109,13 @@ def test_a_resume_on_another_blas_thread_count_still_ends_on_the_same_bits(tmp_p
     assert trained(2, checkpoint=folder).steps_done == 1
     resumed = trained(1, checkpoint=folder, resume=True)   # another count in this process
     np.testing.assert_array_equal(resumed.params["W"], straight.params["W"])
+
+
+def test_resume_can_extend_a_finished_run_by_epochs(tmp_path):
+    folder = str(tmp_path / "ckpt")
+    run(options(tmp_path, steps=None, epochs=1, checkpoint=folder))
+    extended = run(options(tmp_path, steps=None, epochs=3, checkpoint=folder, resume=True))
+    straight = run(options(tmp_path, steps=None, epochs=3))
+    assert extended.result.steps_done == straight.result.steps_done == 30
+    for name, value in straight.result.params.items():
+        np.testing.assert_array_equal(extended.result.params[name], value, err_msg=name)

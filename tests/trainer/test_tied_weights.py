@@ -150,3 +150,13 @@ def test_the_training_graph_records_the_tie_and_reads_it_back(tmp_path):
     path = tmp_path / "training.onnx"
     onnx.save(graph.proto, str(path))
     assert TrainingGraph.from_model(onnx.load(str(path))).tied == graph.tied
+
+
+def test_copies_of_1024_elements_are_found_and_of_1023_are_not():
+    rng = np.random.default_rng(1)
+    edge = rng.standard_normal(1024).astype(np.float32)
+    under = rng.standard_normal(1023).astype(np.float32)
+    tensors = {"a.weight": edge, "b.weight": edge.copy(), "c.weight": under,
+               "d.weight": under.copy()}
+    ties = {t.copy: t.source for t in find_ties(_model_of(tensors), list(tensors))}
+    assert ties == {"b.weight": "a.weight"}
