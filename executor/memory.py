@@ -52,7 +52,7 @@ class MemoryLimitError(ExecutorError):
     def __init__(self, peak: int, available: int, device: str, where: str):
         self.peak, self.available, self.device = peak, available, device
         super().__init__(
-            f"planned peak memory {gib(peak)} exceeds the {gib(available)} available on "
+            f"planned peak memory {human(peak)} exceeds the {human(available)} available on "
             f"{device} ({where}); nothing was run")
 
 
@@ -75,10 +75,6 @@ class AllocationLimitError(MemoryLimitError):
 
 class MemorySettingError(ExecutorError, GraphoptError):
     """GRAPHOPT_MEMORY_LIMIT says something that is not a size (nor ``off``)."""
-
-
-def gib(n: int) -> str:
-    return f"{n / (1 << 30):.1f} GiB"
 
 
 def human(n: int) -> str:

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from graphopt.errors import GraphoptError
-from graphopt.executor.memory import available_bytes, gib
+from graphopt.executor.memory import available_bytes, human
 
 
 def load_npz(path: str, option: str = "--data") -> NpzArrays:
@@ -130,7 +130,7 @@ class NpzArrays(Mapping):
             if available is not None and nbytes > available:
                 raise GraphoptError(
                     f"{self.option} {self.path}: array {name!r} {tuple(shape)} {dtype} needs "
-                    f"{gib(nbytes)}, more than the {gib(available)} available")
+                    f"{human(nbytes)}, more than the {human(available)} available")
             if info.file_size != header_length + nbytes:
                 raise GraphoptError(f"{self.option} {self.path}: array {name!r}: its header says "
                                     f"{nbytes} bytes of data, the archive holds "

@@ -462,5 +462,5 @@ def test_item10_array_sizes_are_checked_against_the_limit_before_decompressing(t
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert done.returncode == 1, done.stderr
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "array 'x' (16777216,) float32 needs 0.1 GiB, more than the " \
-        "0.0 GiB available" in lines[0], done.stderr
+    assert len(lines) == 1 and "array 'x' (16777216,) float32 needs 64.0 MiB, more than the " \
+        "16.0 MiB available" in lines[0], done.stderr
