@@ -2,7 +2,9 @@
 otherwise (CI logs, pipes), and the per-step log file (CSV or JSON lines)."""
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import os
 import sys
@@ -66,7 +68,12 @@ class Progress:
 
 class StepLog:
     """Appends one record per step to FILE.csv or FILE.jsonl (flushed each step, so an
-    interrupted run keeps its log; a resumed run appends)."""
+    interrupted run keeps its log; a resumed run appends).
+
+    A write that fails (a full disk, a quota) keeps what was there before the run: an
+    appended log is cut back to its last whole record, and a new log that replaced an earlier
+    file puts that file back (kept under a hidden hard link while the run writes, removed
+    when the log closes)."""
 
     def __init__(self, path: str, append: bool = False):
         ext = os.path.splitext(path)[1].lower()
@@ -78,26 +85,75 @@ class StepLog:
             raise GraphoptError(f"--log {path}: folder {folder} does not exist")
         fresh = not (append and os.path.exists(path))
         self.path = path
+        self._previous = _keep_previous(path) if fresh else None
         # a new file renamed onto the path (or the path's own file appended to): never the
         # file a symlink or another hard link points at, never a FIFO
         self.file = modelio.open_for_appending(path, "--log", append=not fresh)
-        self.writer = csv.DictWriter(self.file, LOG_FIELDS) if self.kind == "csv" else None
-        if self.writer is not None and fresh:
-            self.writer.writeheader()
+        # records go to the descriptor whole, each in one write, never through a buffer: a
+        # failed write leaves nothing behind that a later flush could add
+        self._fd = self.file.fileno()
+        self._whole = os.fstat(self._fd).st_size   # the end of the last whole record
+        if self.kind == "csv" and fresh:
+            try:
+                self._append(",".join(LOG_FIELDS) + "\r\n", "its header")
+            except GraphoptError:
+                self.close()
+                raise
 
     def write(self, record: dict) -> None:
+        values = {k: record.get(k) for k in LOG_FIELDS}
+        if self.kind == "csv":
+            text = io.StringIO()
+            csv.DictWriter(text, LOG_FIELDS).writerow(values)
+            line = text.getvalue()
+        else:
+            line = json.dumps(values) + "\n"
+        self._append(line, f"step {record.get('step')}")
+
+    def _append(self, text: str, what: str) -> None:
+        data = text.encode("utf-8")
         try:
-            if self.writer is not None:
-                self.writer.writerow({k: record.get(k) for k in LOG_FIELDS})
-            else:
-                self.file.write(json.dumps({k: record.get(k) for k in LOG_FIELDS}) + "\n")
-            self.file.flush()
+            written = 0
+            while written < len(data):
+                written += os.write(self._fd, data[written:])
+            self._whole += len(data)
         except OSError as exc:   # disk full, quota: one line, like a failed checkpoint save
-            raise GraphoptError(f"--log {self.path}: cannot write step {record.get('step')}: "
-                                f"{exc.strerror or exc}") from None
+            kept = self._undo()
+            raise GraphoptError(f"--log {self.path}: cannot write {what}: "
+                                f"{exc.strerror or exc}; {kept}") from None
+
+    def _undo(self) -> str:
+        """Back to what the path held before this run; says what that is."""
+        if self._previous is not None:
+            with contextlib.suppress(OSError):
+                os.replace(self._previous, self.path)
+                self._previous = None
+                return "the earlier log is kept"
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._fd, self._whole)
+        return "the log keeps its whole records"
 
     def close(self) -> None:
-        try:
-            self.file.close()
-        except OSError:   # what did not fit was reported by write()
-            pass
+        with contextlib.suppress(OSError):
+            self.file.close()   # (nothing buffered: every record went to the descriptor)
+        if self._previous is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._previous)
+            self._previous = None
+
+
+def _keep_previous(path: str) -> str | None:
+    """A hidden hard link beside ``path`` to what it names now (a file, or a symlink itself),
+    so that a failed new log can put it back; None when there is nothing there or the file
+    system has no hard links."""
+    if not os.path.lexists(path):
+        return None
+    folder, name = os.path.split(os.path.abspath(path))
+    kept = os.path.join(folder, f".{name}.previous-{os.getpid()}")
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(kept)
+        os.link(path, kept, follow_symlinks=False)
+    except OSError:
+        return None
+    return kept

@@ -282,6 +282,35 @@ def test_full_disk_run_outputs_are_one_line_and_leave_no_temporary(tmp_path, sma
     assert temporaries(small_disk) == []
 
 
+@pytest.mark.parametrize("resume", [False, True])
+def test_full_disk_on_the_log_keeps_the_previous_log(tmp_path, small_disk, resume):
+    """A new log replaces the earlier file only while it can be written: on a full disk the
+    earlier file comes back; an appended (resumed) log is cut back to its whole records."""
+    model, data, _ = mlp_and_data(tmp_path)
+    log = small_disk / "log.csv"
+    folder = tmp_path / "ckpt"
+    if resume:
+        run_ok = invoke("run", model, "--data", data, *TRAIN, "--checkpoint", folder,
+                        "--log", log)
+        assert run_ok.exit_code == 0, run_ok.output
+    else:
+        log.write_text("PREVIOUS LOG\n" * 10)
+    before = log.read_bytes()
+    fill(small_disk)
+    # resumed: enough steps to outgrow the room the log's last page has left
+    extra = ("--checkpoint", folder, "--resume", "--steps", "400") if resume else ()
+    one_error_line(invoke("run", model, "--data", data, *TRAIN, *extra, "--log", log),
+                   "--log", "No space left on device")
+    after = log.read_bytes()
+    if resume:
+        assert after.startswith(before) and after.endswith(b"\n")
+        rows = after.decode().splitlines()
+        assert {len(row.split(",")) for row in rows} == {len(rows[0].split(","))}
+    else:
+        assert after == before
+    assert [n for n in os.listdir(small_disk) if n not in ("log.csv", "filler")] == []
+
+
 def test_full_disk_on_the_trained_model_keeps_the_previous_one(tmp_path, small_disk):
     model, data, _ = mlp_and_data(tmp_path)
     out = small_disk / "t.onnx"
