@@ -11,7 +11,8 @@ summed seconds, and the last value of everything else; ``applied`` is false and
 covers exactly ``stride`` steps, so row ``i`` ends at step ``min((i + 1) * stride, step)``.
 
 A long run thus costs a fixed amount of memory and checkpoint metadata (``capacity`` rows:
-about 1 KB each in memory, 0.2 KB in the checkpoint), and its plot keeps the run's whole
+about 1 KB each in memory, 0.7 KB in the checkpoint's metadata, which stores 4 bytes a
+character), and its plot keeps the run's whole
 shape at uniform resolution; every step's own record is in ``--log``. The first step's loss
 is kept exactly for the summary (``first_loss``).
 """
@@ -22,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from .metrics import perplexity
 
 DEFAULT_CAPACITY = 4096
+MAX_ROWS = 65536   # --history-rows' bound: the checkpoint's metadata stays under 64 MiB
 
 
 class History(Sequence):

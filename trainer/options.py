@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 
 from graphopt.training.recompute import RECOMPUTE_MODES
 
-from .history import DEFAULT_CAPACITY
+from .history import DEFAULT_CAPACITY, MAX_ROWS
 from .optimizers import OPTIMIZERS
 from .precision import PRECISIONS
 from .schedule import SCHEDULES
@@ -116,8 +116,8 @@ class RunOptions:
         None, "--loss-scale", metavar="SPEC",
         help="none | static:N | dynamic[:INIT[:INTERVAL]] (default: dynamic for mixed/fp16, "
              "none for fp32).")
-    device: str = option("auto", "--device", kind="choice", choices=DEVICES,
-                         show_default=True)
+    device: str = option("auto", "--device", kind="choice", choices=DEVICES,   # or, from
+                         show_default=True)    # Python, an executor backend (ArrayBackend)
     numerics: str = option("auto", "--numerics", kind="choice", choices=NUMERICS,
                            show_default=True,
                            help="FP16 GEMM numerics; mi200 emulates MI200 denormal flushing.")
@@ -168,7 +168,8 @@ class RunOptions:
     log: str | None = option(None, "--log", kind="path", metavar="FILE",
                              help="Per-step log, FILE.csv or FILE.jsonl.")
     history_rows: int = option(
-        DEFAULT_CAPACITY, "--history-rows", kind="int", low=2, metavar="N", show_default=True,
+        DEFAULT_CAPACITY, "--history-rows", kind="int", low=2, high=MAX_ROWS, metavar="N",
+        show_default=True,
         help="Records of the loss history the summary, --plot and checkpoints keep; a "
              "longer run merges them in pairs (--log keeps every step).")
     plot: str | None = option(
@@ -207,3 +208,61 @@ class RunOptions:
 def command_line() -> list[tuple[str, object, Flag]]:
     """(field name, default, Flag) of every RunOptions field, in the command's order."""
     return [(f.name, f.default, f.metadata["cli"]) for f in fields(RunOptions)]
+
+
+# -- what each kind of field holds (the Python API: the command line's parser checks the same)
+_TEXT_KINDS = ("text", "path", "dir", "argument", "optional", "choice")
+
+
+def checked(opts: RunOptions) -> RunOptions:
+    """``opts`` with each field checked against its flag's kind (an integer for ``int``, a
+    number for ``float``, text or a path for the text kinds, one of the choices, a
+    list of names for ``many``, true/false for the switches), an integer's range; paths given as
+    ``os.PathLike`` become text. One :class:`GraphoptError` line for the first field that
+    holds something else, named as the field and as its option."""
+    import os
+    from dataclasses import replace
+
+    from graphopt.errors import GraphoptError
+
+    changes = {}
+    for f in fields(opts):
+        flag: Flag = f.metadata["cli"]
+        value = getattr(opts, f.name)
+        option = flag.names[-1].split("/")[0] if flag.kind != "argument" else f.name.upper()
+        where = f"{option} (RunOptions.{f.name})"
+        if value is None and f.default is not None:
+            raise GraphoptError(f"{where} is None; leave it out for its default "
+                                f"{f.default!r}")
+        if value is None:
+            continue
+        kind = flag.kind
+        if kind == "int":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise GraphoptError(f"{where} is {value!r}, not an integer")
+            if (flag.low is not None and value < flag.low) or \
+                    (flag.high is not None and value > flag.high):
+                bound = f">= {flag.low}" if flag.high is None else \
+                    f"from {flag.low} to {flag.high}" if flag.low is not None \
+                    else f"<= {flag.high}"
+                raise GraphoptError(f"{option} must be an integer {bound}, not {value}")
+        elif kind == "float":   # (each option's range, finite included, is checked by its user)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise GraphoptError(f"{where} is {value!r}, not a number")
+        elif f.name == "device" and not isinstance(value, str) and hasattr(value, "xp"):
+            continue   # an executor backend, which the Session takes as it is
+        elif kind in _TEXT_KINDS:
+            if kind != "choice" and kind != "text" and isinstance(value, os.PathLike):
+                value = changes[f.name] = os.fspath(value)
+            if not isinstance(value, str):
+                raise GraphoptError(f"{where} is {value!r}, not text")
+            if kind == "choice" and value not in flag.choices:
+                raise GraphoptError(f"{where} is {value!r}, not one of "
+                                    f"{', '.join(flag.choices)}")
+        elif kind == "many":
+            if isinstance(value, str) or not isinstance(value, list | tuple) \
+                    or not all(isinstance(v, str) for v in value):
+                raise GraphoptError(f"{where} is {value!r}, not a list of names")
+        elif kind in ("flag", "switch") and not isinstance(value, bool):
+            raise GraphoptError(f"{where} is {value!r}, not True or False")
+    return replace(opts, **changes) if changes else opts

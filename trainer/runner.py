@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import signal
 from collections.abc import Callable
@@ -33,7 +34,7 @@ from .export import plot_format, plot_losses, require_matplotlib, save_model
 from .loop import LoopSettings, NonFiniteError, Trainer, TrainResult
 from .loss_scaling import parse_loss_scale
 from .optimizers import make_optimizer
-from .options import RunOptions
+from .options import RunOptions, checked
 from .precision import default_precision
 from .progress import Progress, StepLog
 from .schedule import check_schedule
@@ -162,8 +163,9 @@ def _refuse_bad_counts(opts: RunOptions) -> None:
         raise GraphoptError(f"--steps must be >= 1, not {opts.steps}")
     if opts.epochs is not None and opts.epochs < 1:
         raise GraphoptError(f"--epochs must be >= 1, not {opts.epochs}")
-    if opts.clip_grad_norm is not None and not opts.clip_grad_norm > 0:
-        raise GraphoptError(f"--clip-grad-norm must be positive, not {opts.clip_grad_norm}")
+    if opts.clip_grad_norm is not None and not 0 < opts.clip_grad_norm < math.inf:
+        raise GraphoptError(f"--clip-grad-norm must be a finite number > 0, not "
+                            f"{opts.clip_grad_norm}")
 
 
 def _total_steps(opts: RunOptions, defaults: dict, batches: Batches) -> int:
@@ -228,6 +230,7 @@ def run(opts: RunOptions, echo: Callable[[str], None] = print, *, progress_strea
         after_step=None, gradient_reducer: type | None = None) -> RunOutcome:
     """``gradient_reducer``: a ``distributed.GradientReducer`` subclass for a distributed
     run (None: the standard one)."""
+    opts = checked(opts)   # a RunOptions made in Python holds what the command line would
     _refuse_copies_without_distributed(opts)
     dist = distributed.start(opts.distributed, opts.bucket_mb, opts.dist_timeout,
                              opts.dist_check_every, opts.dist_overlap)
@@ -345,8 +348,9 @@ def _run_locked(opts: RunOptions, echo, progress_stream, after_step,
                             INTERRUPT_DIR)
     schedule = opts.lr_schedule or "constant"
     check_schedule(schedule, opts.warmup or 0, total)
-    if opts.clip_grad_norm is not None and not opts.clip_grad_norm > 0:
-        raise GraphoptError(f"--clip-grad-norm must be positive, not {opts.clip_grad_norm}")
+    if opts.clip_grad_norm is not None and not 0 < opts.clip_grad_norm < math.inf:
+        raise GraphoptError(f"--clip-grad-norm must be a finite number > 0, not "
+                            f"{opts.clip_grad_norm}")
     settings.allow_changed_graph = opts.allow_changed_graph
     settings.history_rows = opts.history_rows
     settings.lr_schedule, settings.warmup = schedule, opts.warmup or 0

@@ -346,7 +346,7 @@ def test_non_utf8_names_through_the_python_api_are_one_error():
 
 @pytest.mark.parametrize("option,value,message", [
     ("--steps", 0, "--steps must be >= 1, not 0"), ("--epochs", -1, "--epochs must be >= 1"),
-    ("--clip-grad-norm", 0, "--clip-grad-norm must be positive")])
+    ("--clip-grad-norm", 0, "--clip-grad-norm must be a finite number > 0")])
 def test_bad_counts_are_refused_before_the_model_is_read(tmp_path, option, value, message):
     """A wrong count is wrong whatever the model: said before a large model costs its
     preparation (the model here is not even an ONNX file: it is never opened)."""

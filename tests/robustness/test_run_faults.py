@@ -260,22 +260,26 @@ def test_disk_full_while_writing_the_step_log_is_one_line(tmp_path, monkeypatch)
 
     rig = RunKillRig(str(tmp_path / "rig"), total_steps=4)
     real = progress.StepLog.write
+    writes = []
 
-    def no_space():
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    def full(self, record):   # buffered writes reach the disk at the flush: it fails there
-        if record["step"] == 3:
-            self.file.flush = no_space
+    def full(self, record):   # step 3's record is refused by the disk
+        writes.append(record["step"])
         return real(self, record)
 
+    def write(fd, data):
+        if writes and writes[-1] == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return os.write(fd, data)
+
     monkeypatch.setattr(progress.StepLog, "write", full)
+    monkeypatch.setattr(progress, "_write", write)
+    log = tmp_path / "log.csv"
     code, _, stderr = cli(rig.model, "--data", rig.data, "--loss", "cross_entropy", "--steps", 4,
-                          "--batch-size", 4, "--device", "cpu", "--log", tmp_path / "log.csv",
-                          "-q")
+                          "--batch-size", 4, "--device", "cpu", "--log", log, "-q")
     assert code == 1 and "Traceback" not in stderr
-    assert stderr.strip() == (f"graphopt: error: --log {tmp_path / 'log.csv'}: cannot write "
-                              "step 3: No space left on device")
+    assert stderr.strip() == (f"graphopt: error: --log {log}: cannot write step 3: No space "
+                              "left on device; the log keeps its whole records")
+    assert len(log.read_text().splitlines()) == 3   # the header and steps 1 and 2
 
 
 def _float16_mask_model(path) -> str:
