@@ -222,12 +222,22 @@ def _read(archive: zipfile.ZipFile, declared: Declared) -> np.ndarray:
         return np.lib.format.read_array(member, allow_pickle=False)
 
 
+# The metadata save() writes: the settings, the optimizer and scaler scalars, the weight
+# names and the loss history, bounded by --history-rows (at most 65,536 rows of about 0.7 KB
+# as stored: 4 bytes a character)
+MAX_META_BYTES = 128 << 20
+
+
 def _meta(archive: zipfile.ZipFile, headers: dict[str, Declared]) -> dict:
     declared = headers.get(META)
     if declared is None:
         raise InvalidField("the metadata is missing")
     if declared.dtype.kind != "U" or declared.shape != ():
         raise InvalidField(f"the metadata is {declared.dtype} {list(declared.shape)}, not text")
+    if declared.dtype.itemsize > MAX_META_BYTES:   # before a byte of it is decompressed
+        raise InvalidField(f"the metadata declares {declared.dtype.itemsize / (1 << 20):.0f} MiB "
+                           f"of text, more than save() writes (at most "
+                           f"{MAX_META_BYTES >> 20} MiB)")
     meta = json.loads(str(_read(archive, declared)))
     if not isinstance(meta, dict):
         raise InvalidField("the metadata is not an object")
@@ -386,7 +396,11 @@ class FolderLock:
                 if os.fstat(fd).st_ino != os.stat(path, follow_symlinks=False).st_ino:
                     os.close(fd)   # the owner removed it as we opened it: lock the new one
                     continue
-                _write_owner(fd)
+                try:
+                    _write_owner(fd)
+                except OSError as exc:   # a full disk: the lock names its file, nothing else
+                    raise GraphoptError(f"{what}: cannot write the lock file {path}: "
+                                        f"{exc.strerror or exc}") from None
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.close(fd)

@@ -441,3 +441,36 @@ def test_sigterm_during_a_save_leaves_no_temporary(tmp_path, data, where):
     assert left == []
     if where == "--checkpoint":
         assert ckpt.load(str(tmp_path / "ckpt")).step == 2
+
+
+def test_metadata_declaring_more_text_than_a_checkpoint_holds_is_refused_unread(tmp_path,
+                                                                                good_checkpoint,
+                                                                                data):
+    """A __meta__ member of 128 MiB of text and a little more (zeros: a few hundred KiB
+    compressed) is refused from its header, before it is decompressed."""
+    folder = tmp_path / "bomb"
+    folder.mkdir()
+    chars = (ckpt.MAX_META_BYTES >> 2) + 1
+    with zipfile.ZipFile(ckpt.path_in(good_checkpoint)) as good, \
+            zipfile.ZipFile(ckpt.path_in(str(folder)), "w", zipfile.ZIP_DEFLATED) as bomb:
+        for info in good.infolist():
+            if info.filename != "__meta__.npy":
+                bomb.writestr(info.filename, good.read(info))
+        with bomb.open("__meta__.npy", "w", force_zip64=True) as member:
+            np.lib.format.write_array_header_1_0(
+                member, {"descr": f"<U{chars}", "fortran_order": False, "shape": ()})
+            zeros = bytes(1 << 20)
+            for _ in range(chars * 4 // len(zeros)):
+                member.write(zeros)
+            member.write(bytes(chars * 4 % len(zeros)))
+    code, _, stderr = cli("run", MLP, "--data", data, "--steps", 4, "--checkpoint", folder,
+                          "--resume", "-q", *TRAIN)
+    assert_one_error_line(code, stderr, "not a valid checkpoint", "the metadata declares 128 MiB",
+                          "more than save() writes")
+
+
+def test_a_clip_norm_a_checkpoint_could_not_hold_is_refused_up_front(tmp_path, data):
+    code, _, stderr = cli("run", MLP, "--data", data, "--steps", 2, "--clip-grad-norm", "inf",
+                          "--checkpoint", tmp_path / "ckpt", "-q", *TRAIN)
+    assert_one_error_line(code, stderr, "--clip-grad-norm must be a finite number > 0, not inf")
+    assert not (tmp_path / "ckpt").exists()

@@ -311,6 +311,19 @@ def test_full_disk_on_the_log_keeps_the_previous_log(tmp_path, small_disk, resum
     assert [n for n in os.listdir(small_disk) if n not in ("log.csv", "filler")] == []
 
 
+def test_full_disk_on_the_checkpoint_lock_names_the_lock_file(tmp_path, small_disk):
+    model, data, _ = mlp_and_data(tmp_path)
+    folder = small_disk / "ckpt"
+    first = invoke("run", model, "--data", data, *TRAIN, "--checkpoint", folder)
+    assert first.exit_code == 0, first.output
+    saved = (folder / "checkpoint.npz").read_bytes()
+    fill(small_disk)
+    one_error_line(invoke("run", model, "--data", data, *TRAIN, "--checkpoint", folder,
+                          "--resume", "--steps", "40"),
+                   "cannot write the lock file", str(folder), "No space left on device")
+    assert (folder / "checkpoint.npz").read_bytes() == saved
+
+
 def test_full_disk_on_the_trained_model_keeps_the_previous_one(tmp_path, small_disk):
     model, data, _ = mlp_and_data(tmp_path)
     out = small_disk / "t.onnx"
