@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import io
-import json
 import os
 import re
 import signal
@@ -21,6 +20,7 @@ import numpy as np
 import onnx
 import pytest
 from support.cli_runs import assert_one_error_line, cli
+from support.training_runs import edited_checkpoint
 
 from graphopt.errors import GraphoptError
 from graphopt.trainer import checkpoint as ckpt
@@ -57,17 +57,6 @@ def good_checkpoint(tmp_path_factory, data) -> str:
                           "--checkpoint", folder, "-q", *TRAIN)
     assert code == 0, stderr
     return folder
-
-
-def edited_checkpoint(good: str, target: str, meta_edit) -> str:
-    with np.load(ckpt.path_in(good), allow_pickle=False) as archive:
-        arrays = {name: archive[name] for name in archive.files}
-    meta = json.loads(str(arrays["__meta__"]))
-    meta_edit(meta)
-    arrays["__meta__"] = np.array(json.dumps(meta))
-    os.makedirs(target)
-    np.savez(ckpt.path_in(target), **arrays)
-    return target
 
 
 def interrupt_after(monkeypatch, step: int) -> None:

@@ -22,6 +22,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 from support.cli_runs import assert_one_error_line, cli
+from support.training_runs import edited_checkpoint
 
 from graphopt.errors import GraphoptError
 from graphopt.trainer import RunOptions, run
@@ -210,21 +211,6 @@ def good_checkpoint(tmp_path_factory, mlp_data) -> str:
     folder = str(tmp_path_factory.mktemp("good") / "ckpt")
     run(mlp_options(mlp_data, checkpoint=folder))
     return folder
-
-
-def edited_checkpoint(good: str, target: str, meta_edit=None, arrays_edit=None) -> str:
-    with np.load(ckpt.path_in(good), allow_pickle=False) as archive:
-        arrays = {name: archive[name] for name in archive.files}
-    meta = json.loads(str(arrays["__meta__"]))
-    if meta_edit is not None:
-        meta_edit(meta)
-    if arrays_edit is not None:
-        arrays_edit(arrays)
-        meta["optimizer_arrays"] = [k[len("opt/"):] for k in arrays if k.startswith("opt/")]
-    arrays["__meta__"] = np.array(json.dumps(meta))
-    os.makedirs(target)
-    np.savez(ckpt.path_in(target), **arrays)
-    return target
 
 
 def _set(*path_and_value):

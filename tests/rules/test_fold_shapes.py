@@ -393,14 +393,17 @@ def test_a_refined_type_is_taken_only_when_it_knows_more_and_contradicts_nothing
     assert _more_static(_tensor_type(*old), _tensor_type(*new)) is gains
 
 
+RELU_NEG = """
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2,3] x) => (float[2,3] y) {
+      r = Relu(x)
+      y = Neg(r)
+    }"""
+
+
 def test_refined_types_reach_the_main_graph_only_where_inference_knows_more():
     from graphopt.rules.fold_shapes import refine_types
-    model = Model(model_from_text("""
-        <ir_version: 8, opset_import: ["" : 17]>
-        g (float[2,3] x) => (float[2,3] y) {
-          r = Relu(x)
-          y = Neg(r)
-        }"""))
+    model = Model(model_from_text(RELU_NEG))
     graph = model.graph
     graph.set_type("r", _tensor_type(1, ["N", 3]))           # told less than inference knows
     refine_types(graph)
@@ -412,12 +415,7 @@ def test_refined_types_reach_the_main_graph_only_where_inference_knows_more():
 
 def test_a_tensor_without_a_declared_type_gets_the_inferred_one():
     from graphopt.rules.fold_shapes import refine_types
-    model = Model(model_from_text("""
-        <ir_version: 8, opset_import: ["" : 17]>
-        g (float[2,3] x) => (float[2,3] y) {
-          r = Relu(x)
-          y = Neg(r)
-        }"""))
+    model = Model(model_from_text(RELU_NEG))
     assert model.graph.type_of("r") is None
     refine_types(model.graph)
     assert type_dims(model.graph.type_of("r")) == [2, 3]

@@ -69,3 +69,24 @@ def wide_matmul(folder) -> tuple[str, str]:
                      {"x": rng.standard_normal((2000, 300)).astype(np.float32),
                       "target": rng.standard_normal((2000, 700)).astype(np.float32)})
     return model, data
+
+
+def edited_checkpoint(good: str, target, meta_edit=None, arrays_edit=None) -> str:
+    """A copy of the checkpoint folder ``good`` in ``target`` with its metadata and arrays
+    edited (as a hand or a tool would), written as a plain .npz."""
+    import json
+    import os
+
+    from graphopt.trainer import checkpoint as ckpt
+    with np.load(ckpt.path_in(good), allow_pickle=False) as archive:
+        arrays = {name: archive[name] for name in archive.files}
+    meta = json.loads(str(arrays["__meta__"]))
+    if meta_edit is not None:
+        meta_edit(meta)
+    if arrays_edit is not None:
+        arrays_edit(arrays)
+        meta["optimizer_arrays"] = [k[len("opt/"):] for k in arrays if k.startswith("opt/")]
+    arrays["__meta__"] = np.array(json.dumps(meta))
+    os.makedirs(target)
+    np.savez(ckpt.path_in(str(target)), **arrays)
+    return str(target)

@@ -11,7 +11,7 @@ import signal
 
 import numpy as np
 import pytest
-from support.training_runs import MLP, mlp_data, write_npz
+from support.training_runs import MLP, edited_checkpoint, mlp_data, write_npz
 
 from graphopt.errors import GraphoptError
 from graphopt.trainer import RunOptions, run
@@ -132,17 +132,6 @@ def test_a_resume_with_fewer_rows_merges_the_saved_history(tmp_path):
     assert untimed(resumed.result.history) == untimed(run(options(tmp_path)).result.history)
 
 
-def _edited(folder: str, target, edit) -> str:
-    with np.load(ckpt.path_in(folder), allow_pickle=False) as archive:
-        arrays = {name: archive[name] for name in archive.files}
-    meta = json.loads(str(arrays["__meta__"]))
-    edit(meta)
-    arrays["__meta__"] = np.array(json.dumps(meta))
-    os.makedirs(target)
-    np.savez(ckpt.path_in(str(target)), **arrays)
-    return str(target)
-
-
 MERGED_ROW_EDITS = {
     "a row covering other steps": lambda m: m["history"][0].update(steps=3),
     "a stride that is not a power of 2": lambda m: m.update(history_stride=3),
@@ -159,7 +148,7 @@ def test_a_tampered_merged_history_is_refused(tmp_path, edit):
     folder = str(tmp_path / "ckpt")
     run(options(tmp_path, steps=12, checkpoint=folder))
     assert ckpt.load(folder).history_stride == 4
-    bad = _edited(folder, tmp_path / "bad", MERGED_ROW_EDITS[edit])
+    bad = edited_checkpoint(folder, tmp_path / "bad", MERGED_ROW_EDITS[edit])
     with pytest.raises(GraphoptError, match="not a valid checkpoint"):
         ckpt.load(bad)
 
