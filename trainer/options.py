@@ -8,8 +8,10 @@ choices come from the tables that define them (optimizers, precisions, schedules
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import os
+from dataclasses import dataclass, field, fields, replace
 
+from graphopt.errors import GraphoptError
 from graphopt.training.recompute import RECOMPUTE_MODES
 
 from .history import DEFAULT_CAPACITY, MAX_ROWS
@@ -220,11 +222,6 @@ def checked(opts: RunOptions) -> RunOptions:
     list of names for ``many``, true/false for the switches), an integer's range; paths given as
     ``os.PathLike`` become text. One :class:`GraphoptError` line for the first field that
     holds something else, named as the field and as its option."""
-    import os
-    from dataclasses import replace
-
-    from graphopt.errors import GraphoptError
-
     changes = {}
     for f in fields(opts):
         flag: Flag = f.metadata["cli"]
