@@ -54,11 +54,6 @@ class History(Sequence):
         return iter(self._rows)
 
     @property
-    def step(self) -> int:
-        """The last step the history covers (0 before the first)."""
-        return self._rows[-1]["step"] if self._rows else 0
-
-    @property
     def losses(self) -> list[float]:
         """The rows' losses: every step's own loss while ``stride`` is 1."""
         return [row["loss"] for row in self._rows]

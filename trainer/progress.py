@@ -92,6 +92,8 @@ class StepLog:
         # records go to the descriptor whole, each in one write, never through a buffer: a
         # failed write leaves nothing behind that a later flush could add
         self._fd = self.file.fileno()
+        self._line = io.StringIO()   # one record's text, formatted by csv before its write
+        self._row_writer = csv.DictWriter(self._line, LOG_FIELDS)
         self._whole = os.fstat(self._fd).st_size   # the end of the last whole record
         if self.kind == "csv" and fresh:
             try:
@@ -103,9 +105,10 @@ class StepLog:
     def write(self, record: dict) -> None:
         values = {k: record.get(k) for k in LOG_FIELDS}
         if self.kind == "csv":
-            text = io.StringIO()
-            csv.DictWriter(text, LOG_FIELDS).writerow(values)
-            line = text.getvalue()
+            self._line.seek(0)
+            self._line.truncate()
+            self._row_writer.writerow(values)
+            line = self._line.getvalue()
         else:
             line = json.dumps(values) + "\n"
         self._append(line, f"step {record.get('step')}")

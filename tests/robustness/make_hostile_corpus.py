@@ -344,17 +344,23 @@ def make(root: str, truncations: int = 24) -> Corpus:
     return corpus
 
 
-def _function_constant_model(location: str) -> onnx.ModelProto:
-    """W trained through a local function whose Constant keeps its value in external data."""
+def external_constant_scale(location: str) -> onnx.FunctionProto:
+    """local.Scale(a) = a * C, its Constant C a float [4, 4] kept in external data at
+    ``location`` (64 bytes from offset 0)."""
     value = TensorProto(name="c", data_type=TensorProto.FLOAT, dims=[4, 4],
                         data_location=TensorProto.EXTERNAL)
     for key, text in (("location", location), ("offset", "0"), ("length", "64")):
         entry = value.external_data.add()
         entry.key, entry.value = key, text
-    scale = helper.make_function("local", "Scale", ["a"], ["b"],
-                                 [helper.make_node("Constant", [], ["C"], value=value),
-                                  helper.make_node("Mul", ["a", "C"], ["b"])],
-                                 [helper.make_opsetid("", 17)])
+    return helper.make_function("local", "Scale", ["a"], ["b"],
+                                [helper.make_node("Constant", [], ["C"], value=value),
+                                 helper.make_node("Mul", ["a", "C"], ["b"])],
+                                [helper.make_opsetid("", 17)])
+
+
+def _function_constant_model(location: str) -> onnx.ModelProto:
+    """W trained through a local function whose Constant keeps its value in external data."""
+    scale = external_constant_scale(location)
     model = _small_model([helper.make_node("MatMul", ["x", "W"], ["h"]),
                           helper.make_node("Scale", ["h"], ["y"], domain="local")],
                          extra_opsets=[helper.make_opsetid("local", 1)])

@@ -29,6 +29,7 @@ from graphopt.trainer import RunOptions, run
 from graphopt.trainer import checkpoint as ckpt
 
 from .killpoints import CLI
+from .make_hostile_corpus import external_constant_scale
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MLP = os.path.join(HERE, os.pardir, "fixtures", "mlp.onnx")
@@ -135,15 +136,7 @@ def test_item14_onnx_validation_error_while_reading_external_data_is_one_line(
     folder.mkdir()
     (folder / "real.bin").write_bytes(np.ones(16, np.float32).tobytes())
     os.symlink("real.bin", folder / "w.bin")
-    value = onnx.TensorProto(name="c", data_type=TensorProto.FLOAT, dims=[4, 4],
-                             data_location=TensorProto.EXTERNAL)
-    for key, text in (("location", "w.bin"), ("offset", "0"), ("length", "64")):
-        entry = value.external_data.add()
-        entry.key, entry.value = key, text
-    scale = helper.make_function("local", "Scale", ["a"], ["b"],
-                                 [helper.make_node("Constant", [], ["C"], value=value),
-                                  helper.make_node("Mul", ["a", "C"], ["b"])],
-                                 [helper.make_opsetid("", 17)])
+    scale = external_constant_scale("w.bin")
     model = tiny_model(str(folder / "model.onnx"), functions=[scale], nodes=[
         helper.make_node("MatMul", ["x", "W"], ["h"]),
         helper.make_node("Scale", ["h"], ["s"], domain="local"),
